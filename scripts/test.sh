@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The test command: set up (or reuse) the virtual environment, then run pytest.
+#   scripts/test.sh               the default suite (fast; no slow-marked tests)
+#   scripts/test.sh -m slow       only the slow end-to-end tests
+#   EYAS_TEST_SLOW=1 scripts/test.sh   the default suite, then the slow tests
+# Extra arguments go to pytest.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup_env.sh || { echo "environment setup failed" >&2; exit 1; }
+VENV=${EYAS_VENV:-.venv}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
+
+run_pytest() {
+  "$VENV/bin/python" -m pytest "$@"
+  rc=$?
+  # pytest exits 5 when a selection holds no test: not a failure of the code.
+  [ $rc -eq 5 ] && rc=0
+  return $rc
+}
+
+if [ $# -gt 0 ]; then
+  run_pytest "$@"; exit $?
+fi
+run_pytest -m "not slow and not vllm and not cuda" -q
+rc=$?
+if [ $rc -eq 0 ] && [ "${EYAS_TEST_SLOW:-0}" = "1" ]; then
+  run_pytest -m "slow and not vllm and not cuda" -q
+  rc=$?
+fi
+exit $rc

@@ -1,0 +1,30 @@
+import os
+
+import pytest
+
+# Tests never reach the Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny_targets import FAMILIES, save_tiny_target  # noqa: E402
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def tiny_target_dir(request, tmp_path_factory):
+    """A saved tiny target of each family (Llama, Qwen3-MoE, GPT-OSS)."""
+    return save_tiny_target(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    return save_tiny_target("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from tiny_targets import byte_tokenizer
+
+    return byte_tokenizer()

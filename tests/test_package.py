@@ -1,0 +1,105 @@
+"""The package foundation: CLI, recipes, the import direction of DESIGN §1."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eyas.cli import STAGES, build_parser, main
+from eyas.recipe import Recipe, RecipeError, load_recipe, recipe_from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_eyas_help_lists_every_stage():
+    out = subprocess.run([sys.executable, "-m", "eyas", "--help"], capture_output=True, text=True, check=True).stdout
+    for stage in STAGES:
+        assert stage in out
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_each_stage_has_help(stage, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([stage, "--help"])
+    assert exc.value.code == 0
+    assert stage in capsys.readouterr().out
+
+
+def test_no_stage_prints_help_and_fails(capsys):
+    assert main([]) == 2
+    assert "usage" in capsys.readouterr().out
+
+
+def test_import_from_any_directory(tmp_path):
+    code = "import eyas.heads, eyas.data, eyas.train, eyas.eval, eyas.recipe; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
+
+
+def _imported_modules(path: Path, package: str) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the package
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                found.add(".".join(base + ([node.module] if node.module else [])))
+            elif node.module:
+                found.add(node.module)
+    return found
+
+
+@pytest.mark.parametrize(
+    "folder,forbidden",
+    [
+        ("heads", ("eyas.data", "eyas.train", "eyas.eval", "eyas.cli", "eyas.commands")),
+        ("data", ("eyas.heads", "eyas.train", "eyas.eval", "eyas.cli", "eyas.commands")),
+        ("train", ("eyas.eval", "eyas.cli", "eyas.commands")),
+        ("eval", ("eyas.train", "eyas.cli", "eyas.commands")),
+    ],
+)
+def test_import_direction(folder, forbidden):
+    """Data flows data -> train -> heads (export) -> eval; only eyas.cli wires every stage."""
+    bad = []
+    for path in sorted((ROOT / folder).glob("*.py")):
+        if path.name == "__main__.py":
+            continue  # `python -m eyas.train` is a CLI entry point
+        for mod in _imported_modules(path, f"eyas.{folder}"):
+            if any(mod == f or mod.startswith(f + ".") for f in forbidden):
+                bad.append(f"{path.relative_to(ROOT)} imports {mod}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_recipe_parses(path):
+    recipe = load_recipe(path)
+    assert isinstance(recipe, Recipe)
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("train:\n  learning_rat: 1e-4\n")
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(f)
+    msg = str(exc.value)
+    assert "train.learning_rat" in msg and str(f) in msg
+
+
+def test_overrides_are_typed_and_checked():
+    r = recipe_from_dict({"train": {"learning_rate": 1e-4}}, overrides=["train.learning_rate=3e-4", "data.sources=[a.json, b.json]", "head.num_layers=2"])
+    assert r.train.learning_rate == 3e-4
+    assert r.data.sources == ["a.json", "b.json"]
+    assert r.head.num_layers == 2
+    with pytest.raises(RecipeError, match="train.nope"):
+        recipe_from_dict({}, overrides=["train.nope=1"])
+    with pytest.raises(RecipeError, match="key.sub=value"):
+        recipe_from_dict({}, overrides=["train.learning_rate"])
+
+
+def test_exclusive_norm_options_rejected():
+    with pytest.raises(RecipeError, match="exclude"):
+        recipe_from_dict({"head": {"fc_norm": True, "norm_before_fc": True}})
