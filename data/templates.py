@@ -1,0 +1,145 @@
+"""Render a conversation with the target's own chat template and mark the assistant
+tokens (the loss mask), for any template, without per-family rules.
+
+How the spans are found: for assistant turn k the template is rendered twice more,
+  P = render(messages[:k], add_generation_prompt=True)   # ends right after the role header
+  Q = render(messages[:k+1])                             # ends right after turn k
+and the assistant span is the characters [len(P), len(Q)) of the full rendering, with
+trailing whitespace removed: the target generates everything after the generation
+prompt (reasoning / `<think>` blocks / harmony `analysis` channels included) up to and
+including its end-of-turn token, while the newline many templates put between turns is
+glue the target never emits. Templates that rewrite history (Qwen3 drops the thinking
+of earlier turns) make Q differ from the full rendering; then the span ends at the first
+special token after the turn's content (its end-of-turn token). The character span is mapped onto
+tokens with the fast tokenizer's offsets: a token is trained when it starts inside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+Conversation = list[dict]
+
+
+class TemplateError(ValueError):
+    """The template cannot be rendered incrementally for this conversation (a drop reason)."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass
+class Rendered:
+    """One rendered sample: `input_ids` [T] and `loss_mask` [T] (0/1), plus the text."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    text: str
+
+
+def _render(tokenizer, messages: Conversation, add_generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as err:  # jinja raises anything (TemplateError, TypeError, raise_exception)
+        raise TemplateError("template_error", str(err)[:200]) from None
+
+
+def _template_messages(messages: Conversation) -> Conversation:
+    """Give templates the reasoning under the names they read (`reasoning_content` for
+    Qwen3, `thinking` for GPT-OSS); templates that know neither ignore them."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if "reasoning" in m:
+            m.setdefault("reasoning_content", m["reasoning"])
+            m.setdefault("thinking", m["reasoning"])
+        out.append(m)
+    return out
+
+
+def assistant_char_spans(tokenizer, messages: Conversation, train_on: Literal["all", "last"] = "all"
+                         ) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendering and the [start, end) character spans of the trained assistant turns."""
+    messages = _template_messages(messages)
+    full = _render(tokenizer, messages, add_generation_prompt=False)
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    if train_on == "last":
+        turns = turns[-1:]
+    spans = []
+    for k in turns:
+        prompt = _render(tokenizer, messages[:k], add_generation_prompt=True)
+        if not full.startswith(prompt):
+            raise TemplateError("template_not_incremental", f"the prompt before turn {k} is not a prefix")
+        start = len(prompt)
+        upto = _render(tokenizer, messages[: k + 1], add_generation_prompt=False)
+        if full.startswith(upto) and len(upto) > start:
+            end = len(upto.rstrip())
+        else:
+            end = _end_by_special(tokenizer, full, start, messages[k])
+        if end <= start:
+            raise TemplateError("empty_assistant_span", f"turn {k}")
+        spans.append((start, end))
+    return full, spans
+
+
+def _special_strings(tokenizer) -> list[str]:
+    specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for tok in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values():
+        if getattr(tok, "special", False):
+            specials.add(tok.content)
+    return [s for s in specials if s]
+
+
+def _end_by_special(tokenizer, full: str, start: int, message: dict) -> int:
+    """For history-rewriting templates (Qwen3 and GPT-OSS drop the reasoning of earlier
+    turns): the turn's content is located in the full text after `start`, and the turn
+    ends with the first special token after it (the end-of-turn token)."""
+    content = message["content"].strip()
+    at = full.find(content, start) if content else start
+    if at < 0:
+        raise TemplateError("template_not_incremental", "assistant content not found in the rendering")
+    after = at + len(content)
+    hits = [(full.find(sp, after), sp) for sp in _special_strings(tokenizer)]
+    hits = [(i, sp) for i, sp in hits if i >= 0]
+    if not hits:
+        raise TemplateError("template_not_incremental", "no end-of-turn token after the content")
+    i, sp = min(hits, key=lambda h: (h[0], -len(h[1])))
+    return i + len(sp)
+
+
+def render_with_mask(tokenizer, messages: Conversation, train_on: Literal["all", "last"] = "all",
+                     max_length: Optional[int] = None) -> Rendered:
+    """Tokenise the conversation as the chat template renders it, with the loss mask.
+
+    Raises `TemplateError` (reason `over_length`, `no_masked_tokens`, `template_error`,
+    `template_not_incremental`, ...) for a sample to drop; never truncates.
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise TypeError("render_with_mask needs a fast tokenizer (for character offsets)")
+    text, spans = assistant_char_spans(tokenizer, messages, train_on)
+    # The chat template already wrote BOS/specials; tokenise exactly what it rendered,
+    # as apply_chat_template(tokenize=True) does.
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    if max_length is not None and len(ids) > max_length:
+        raise TemplateError("over_length", f"{len(ids)} > {max_length}")
+    mask = [0] * len(ids)
+    si = 0
+    for t, (a, b) in enumerate(offsets):
+        if b <= a:
+            continue
+        while si < len(spans) and a >= spans[si][1]:
+            si += 1
+        if si < len(spans) and spans[si][0] <= a < spans[si][1]:
+            mask[t] = 1
+    if not any(mask):
+        raise TemplateError("no_masked_tokens")
+    return Rendered(input_ids=list(ids), loss_mask=mask, text=text)
+
+
+def prompt_ids(tokenizer, messages: Conversation) -> list[int]:
+    """Token ids of the conversation so far plus the assistant generation prompt."""
+    text = _render(tokenizer, _template_messages(messages), add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

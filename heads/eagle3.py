@@ -1,0 +1,144 @@
+"""The EAGLE-3 draft head (DESIGN §3) and its KV-cache drafting path.
+
+Parameter names are those of the serving contract (DESIGN §5) so export is a rename-free
+copy: `fc`, `layers.{i}.*`, `norm`, `lm_head`, `d2t`, `t2d`, `embed_tokens`,
+`fc_norm.{i}` / `input_norm`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eyas.heads.config import DraftHeadConfig
+from eyas.heads.layers import DecoderLayer, HeadCache, RMSNorm
+
+
+class Eagle3Head(nn.Module):
+    """Fused-feature draft head.
+
+    One step: `forward_step(input_ids [B,T], hidden [B,T,H], positions [B,T], cache, mask)`
+    -> `(logits [B,T,Vd], hidden_out [B,T,H])`. At step 0 `hidden` is
+    `combine_aux(aux [B,T,n·Ht])`; at later steps it is the previous step's `hidden_out`.
+    """
+
+    def __init__(self, config: DraftHeadConfig):
+        super().__init__()
+        self.config = config
+        h, ht, n = config.hidden_size, config.target_hidden_size, config.num_aux
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(self.trains_embedding)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(ht, config.rms_norm_eps) for _ in range(n))
+        if config.norm_before_fc:
+            self.input_norm = RMSNorm(n * ht, config.rms_norm_eps)
+        self.fc = nn.Linear(n * ht, h, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, first=i == 0) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        if config.uses_vocab_map:
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.reset_parameters()
+
+    @property
+    def trains_embedding(self) -> bool:
+        # A head narrower/wider than the target cannot share the target's embedding.
+        return self.config.trains_embedding or self.config.hidden_size != self.config.target_hidden_size
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+
+    # --- vocabulary -----------------------------------------------------------------
+
+    def set_vocab_map(self, d2t: torch.Tensor | None, t2d: torch.Tensor | None) -> None:
+        if not self.config.uses_vocab_map:
+            if d2t is not None:
+                raise ValueError("draft vocabulary equals the target's: the head takes no d2t/t2d")
+            return
+        self.d2t.copy_(d2t.long())
+        self.t2d.copy_(t2d.bool())
+
+    def draft_token_ids(self) -> torch.Tensor:
+        """[Vd] target ids of the draft vocabulary rows."""
+        ids = torch.arange(self.config.draft_vocab_size, device=self.lm_head.weight.device)
+        return ids + self.d2t if self.config.uses_vocab_map else ids
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids] if self.config.uses_vocab_map else draft_ids
+
+    @torch.no_grad()
+    def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor, final_norm: torch.Tensor | None = None) -> None:
+        """Copy the target's embedding `[Vt, Ht]`, its `lm_head` rows of the draft
+        vocabulary `[Vt, Ht] -> [Vd, H]` and its final norm (when H == Ht)."""
+        if self.config.hidden_size != self.config.target_hidden_size:
+            return
+        self.embed_tokens.weight.copy_(embed.to(self.embed_tokens.weight))
+        rows = self.draft_token_ids().to(lm_head.device)
+        self.lm_head.weight.copy_(lm_head[rows].to(self.lm_head.weight))
+        if final_norm is not None:
+            self.norm.weight.copy_(final_norm.to(self.norm.weight))
+
+    # --- forward --------------------------------------------------------------------
+
+    def combine_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [..., n·Ht] (chunks in ascending layer-id order) -> g [..., H]."""
+        aux = aux.to(self.fc.weight.dtype)
+        if self.config.fc_norm:
+            chunks = aux.split(self.config.target_hidden_size, dim=-1)
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        elif self.config.norm_before_fc:
+            aux = self.input_norm(aux)
+        return self.fc(aux)
+
+    def forward_step(self, input_ids, hidden, positions, cache: HeadCache, mask=None):
+        """One head step over T slots; keys are appended to `cache`.
+
+        Returns logits over the draft vocabulary `[B, T, Vd]` and the hidden state fed to
+        the next step `[B, T, H]` (pre-norm, or normed with `norm_output`)."""
+        embeds = self.embed_tokens(input_ids)
+        h = hidden
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            h = layer(h, positions, layer_cache, mask, embeds=embeds if layer.first else None)
+        normed = self.norm(h)
+        return self.lm_head(normed), (normed if self.config.norm_output else h)
+
+    def new_cache(self) -> HeadCache:
+        return HeadCache(len(self.layers))
+
+    # --- drafting -------------------------------------------------------------------
+
+    @torch.no_grad()
+    def draft(self, cache: HeadCache, tokens, aux, positions, k: int, temperature: float = 0.0, generator=None):
+        """Chain drafting, one head step per draft token.
+
+        `tokens/aux/positions` `[B, n]` are the step-0 entries committed since the last
+        call (slot t carries token x_{t+1} and the target's features at t); the last is
+        the newest verified slot p. Returns `(draft target ids [B, k], draft logits
+        [B, k, Vd])`; the cache keeps only step-0 entries afterwards.
+        """
+        base = cache.length + tokens.shape[1]
+        logits, hid = self.forward_step(tokens, self.combine_aux(aux), positions, cache)
+        logits, hid = logits[:, -1:], hid[:, -1:]
+        pos = positions[:, -1:]
+        all_logits, ids = [], []
+        for j in range(k):
+            all_logits.append(logits[:, 0])
+            tok = sample_from_logits(logits[:, 0], temperature, generator)
+            ids.append(self.to_target_ids(tok))
+            if j + 1 < k:
+                logits, hid = self.forward_step(ids[-1][:, None], hid, pos + j + 1, cache)
+        cache.crop(base)
+        return torch.stack(ids, dim=1), torch.stack(all_logits, dim=1)
+
+
+def sample_from_logits(logits: torch.Tensor, temperature: float, generator=None) -> torch.Tensor:
+    """[B, V] -> [B]: argmax when temperature is 0, else a sample of softmax(logits/T)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]

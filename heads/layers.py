@@ -1,0 +1,231 @@
+"""Building blocks of a draft head: RMSNorm, rotary embeddings, attention with a KV cache,
+and the decoder layer (layer 0 takes the 2H-wide [embedding, hidden] input, DESIGN §3).
+
+Attention accepts three kinds of `mask`:
+- a boolean tensor `[B|1, 1, Tq, Tk]` (True = may attend) over the cached keys followed by
+  the new ones: SDPA on any device;
+- a flex-attention `BlockMask` (CUDA): the same rule, compiled to skip masked blocks;
+- `TTTMask`: the training-time-test rule of DESIGN §3, computed without materialising
+  the `(k+1)·T` key axis (the cache holds one chunk per unrolled step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyas.heads.config import DraftHeadConfig
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / rms(x), computed in float32 like the target's own norms."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions [B, T] -> cos, sin [B, 1, T, head_dim] (rotate-half layout, as Llama)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class LayerCache:
+    """Keys and values one attention layer has seen, as a list of chunks `[B, Hkv, Ti, d]`
+    (one chunk per call). Training keeps the chunks apart (TTT attends to them
+    differently); inference reads them concatenated."""
+
+    def __init__(self):
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k.append(k)
+        self.v.append(v)
+
+    def concatenated(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(self.k) > 1:  # fold chunks once so later reads are cheap
+            self.k, self.v = [torch.cat(self.k, dim=2)], [torch.cat(self.v, dim=2)]
+        return self.k[0], self.v[0]
+
+    @property
+    def length(self) -> int:
+        return sum(k.shape[2] for k in self.k)
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions (drop rejected draft entries)."""
+        if self.length <= length:
+            return
+        k, v = self.concatenated()
+        self.k, self.v = [k[:, :, :length]], [v[:, :, :length]]
+
+
+class HeadCache:
+    """A KV cache for every layer of a head."""
+
+    def __init__(self, num_layers: int):
+        self.layers = [LayerCache() for _ in range(num_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def crop(self, length: int) -> None:
+        for layer in self.layers:
+            layer.crop(length)
+
+
+@dataclass
+class TTTMask:
+    """Attention for TTT step k (DESIGN §3): the query at slot t sees the step-0 keys of
+    slots s <= t (`base`, a boolean `[B, 1, T, T]` that also hides padding) and the key
+    each step 1..k computed at slot t itself (the diagonals)."""
+
+    base: torch.Tensor
+
+
+def _ttt_attention(q, cache: LayerCache, base: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, T, d]; cache chunks [B, Hkv, T, d] (chunk 0 = step 0, chunk j = step j).
+
+    softmax over [step-0 keys (masked by `base`), diagonal keys of steps 1..k] without
+    building the (k+1)·T key axis: O(T² + k·T) instead of O((k+1)·T²).
+    """
+    groups = q.shape[1] // cache.k[0].shape[1]
+
+    def expand(x):
+        return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+    acc = torch.promote_types(q.dtype, torch.float32)  # softmax in >= fp32 under bf16 autocast
+    k0, v0 = expand(cache.k[0]), expand(cache.v[0])
+    scores0 = torch.matmul(q, k0.transpose(-1, -2)).to(acc) * scale
+    scores0 = scores0.masked_fill(~base, float("-inf"))
+    diag_k = [expand(k) for k in cache.k[1:]]
+    diag_v = [expand(v) for v in cache.v[1:]]
+    if diag_k:
+        diag = torch.stack([(q * k).sum(-1) for k in diag_k], dim=-1).to(acc) * scale  # [B, H, T, k]
+        scores = torch.cat([scores0, diag], dim=-1)
+    else:
+        scores = scores0
+    # Fully masked rows (padding queries) would give NaN; they carry no loss, so zero them.
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(q.dtype)
+    t = scores0.shape[-1]
+    out = torch.matmul(probs[..., :t], v0)
+    for j, v in enumerate(diag_v):
+        out = out + probs[..., t + j, None] * v
+    return out
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftHeadConfig, in_features: int):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.rope_theta = cfg.rope_theta
+        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, positions, cache: LayerCache, mask) -> torch.Tensor:
+        """x [B, T, in]; positions [B, T]; the new keys are appended to `cache`, then the
+        queries attend to everything the cache holds under `mask`."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.append(k, v)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if isinstance(mask, TTTMask):
+            out = _ttt_attention(q, cache, mask.base, scale)
+        else:
+            keys, values = cache.concatenated()
+            if _is_block_mask(mask):
+                from torch.nn.attention.flex_attention import flex_attention
+
+                out = flex_attention(q, keys, values, block_mask=mask, scale=scale,
+                                     enable_gqa=self.num_heads != self.num_kv_heads)
+            else:
+                if mask is None and t > 1 and keys.shape[2] > t:
+                    mask = prefix_causal_mask(t, keys.shape[2], x.device)
+                out = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=mask, scale=scale,
+                    is_causal=mask is None and t > 1,
+                    enable_gqa=self.num_heads != self.num_kv_heads,
+                )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+def prefix_causal_mask(num_new: int, num_keys: int, device) -> torch.Tensor:
+    """[1, 1, num_new, num_keys]: new query i sees every earlier key and new keys <= i."""
+    q = torch.arange(num_new, device=device)[:, None] + (num_keys - num_new)
+    return (torch.arange(num_keys, device=device)[None, :] <= q)[None, None]
+
+
+def _is_block_mask(mask) -> bool:
+    return mask is not None and type(mask).__name__ == "BlockMask"
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """A Llama decoder layer. Layer 0 of a head (`first=True`) attends over
+    `concat(input_layernorm(embed), hidden_norm(hid))` (width 2H, embedding first) and adds
+    `hid` (or its normed value with `norm_before_residual`) back after attention."""
+
+    def __init__(self, cfg: DraftHeadConfig, first: bool):
+        super().__init__()
+        h = cfg.hidden_size
+        self.first = first
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        if first:
+            self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, 2 * h if first else h)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(h, cfg.intermediate_size)
+
+    def forward(self, hid, positions, cache: LayerCache, mask, embeds=None) -> torch.Tensor:
+        if self.first:
+            normed_hid = self.hidden_norm(hid)
+            x = torch.cat([self.input_layernorm(embeds), normed_hid], dim=-1)
+            residual = normed_hid if self.norm_before_residual else hid
+        else:
+            x = self.input_layernorm(hid)
+            residual = hid
+        hid = residual + self.self_attn(x, positions, cache, mask)
+        return hid + self.mlp(self.post_attention_layernorm(hid))

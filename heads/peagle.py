@@ -1,0 +1,55 @@
+"""The P-EAGLE head (DESIGN §4): an EAGLE-3 head whose K draft slots come from one
+forward pass. Slot 0 is the last verified position (real token, real features); slots
+1..K-1 carry the mask token (its embedding row is trained) and `mask_hidden`, one learned
+vector standing for the missing target features *before* `fc`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eyas.heads.config import DraftHeadConfig
+from eyas.heads.eagle3 import Eagle3Head, sample_from_logits
+from eyas.heads.layers import HeadCache
+
+
+class PEagleHead(Eagle3Head):
+    def __init__(self, config: DraftHeadConfig):
+        if config.algorithm != "peagle":
+            raise ValueError("PEagleHead needs a config with algorithm='peagle'")
+        super().__init__(config)
+        self.mask_hidden = nn.Parameter(torch.zeros(1, config.fc_in_features))
+        nn.init.normal_(self.mask_hidden, std=0.02)
+
+    @torch.no_grad()
+    def init_from_target(self, embed, lm_head, final_norm=None) -> None:
+        super().init_from_target(embed, lm_head, final_norm)
+        # Start the mask row at the mean embedding: a neutral token the layers can read.
+        self.embed_tokens.weight[self.config.mask_token_id] = embed.float().mean(0).to(self.embed_tokens.weight)
+
+    def mask_slot_inputs(self, batch: int, depth: int, device):
+        """Token ids `[batch, depth]` (the mask id) and fc inputs `[batch, depth, n·Ht]`."""
+        ids = torch.full((batch, depth), self.config.mask_token_id, dtype=torch.long, device=device)
+        return ids, self.mask_hidden.expand(batch, depth, -1)
+
+    @torch.no_grad()
+    def draft(self, cache: HeadCache, tokens, aux, positions, k: int, temperature: float = 0.0, generator=None):
+        """One-pass drafting of k tokens; same contract as `Eagle3Head.draft`."""
+        b, n = tokens.shape
+        base = cache.length + n
+        mask_ids, mask_aux = self.mask_slot_inputs(b, k - 1, tokens.device)
+        steps = torch.arange(1, k, device=positions.device)[None, :]
+        all_tokens = torch.cat([tokens, mask_ids], dim=1)
+        all_aux = torch.cat([aux.to(mask_aux.dtype), mask_aux], dim=1)
+        all_pos = torch.cat([positions, positions[:, -1:] + steps], dim=1)
+        logits, _ = self.forward_step(all_tokens, self.combine_aux(all_aux), all_pos, cache)
+        logits = logits[:, n - 1:]
+        cache.crop(base)
+        flat = sample_from_logits(logits.reshape(b * k, -1), temperature, generator).view(b, k)
+        return self.to_target_ids(flat), logits
+
+
+def build_head(config: DraftHeadConfig) -> Eagle3Head:
+    """The head class for `config.algorithm`."""
+    return PEagleHead(config) if config.algorithm == "peagle" else Eagle3Head(config)

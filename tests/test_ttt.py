@@ -1,0 +1,90 @@
+"""EAGLE-3 head and the TTT unroll: the mask, and train/serve equality (the logits the
+trainer computes at step k, slot t equal those of the KV-cache drafting path)."""
+
+import pytest
+import torch
+
+from eyas.heads.config import DraftHeadConfig
+from eyas.heads.eagle3 import Eagle3Head
+from eyas.heads.layers import TTTMask
+from eyas.train.masks import causal_padding_mask, ttt_dense_mask, ttt_reference_mask
+from eyas.train.ttt import shift_left, ttt_unroll
+
+
+def _cfg(**kw):
+    base = dict(hidden_size=32, target_hidden_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                intermediate_size=64, vocab_size=50, draft_vocab_size=50, aux_layer_ids=[1, 2, 3], target_num_layers=4,
+                rms_norm_eps=1e-6)
+    base.update(kw)
+    return DraftHeadConfig(**base)
+
+
+@pytest.mark.parametrize("t,k", [(1, 0), (4, 0), (5, 1), (6, 3)])
+def test_ttt_dense_mask_matches_reference(t, k):
+    dense = ttt_dense_mask(torch.ones(1, t), k)[0, 0]
+    assert torch.equal(dense, ttt_reference_mask(t, k))
+
+
+def test_ttt_dense_mask_hides_padding():
+    am = torch.tensor([[1, 1, 1, 0]])
+    dense = ttt_dense_mask(am, 2)[0, 0]
+    assert not dense[:, 3].any() and not dense[3].any()
+
+
+OPTIONS = [dict(), dict(norm_before_residual=True), dict(fc_norm=True, norm_output=True), dict(norm_before_fc=True),
+           dict(num_hidden_layers=2)]
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: ",".join(o) or "plain")
+def test_ttt_decomposed_attention_equals_dense_over_concatenated_keys(opts):
+    """The O(T²+kT) TTT attention equals SDPA over the flattened key axis with the dense mask."""
+    torch.manual_seed(0)
+    head = Eagle3Head(_cfg(**opts)).double()
+    b, t, steps = 2, 7, 4
+    ids = torch.randint(0, 50, (b, t))
+    am = torch.ones(b, t, dtype=torch.long)
+    am[1, 5:] = 0
+    aux = torch.randn(b, t, 72, dtype=torch.double)
+    fast = [lg for _, lg in ttt_unroll(head, ids, am, aux, steps)]
+    # dense reference: one cache, keys concatenated, the dense TTT mask per step
+    cache = head.new_cache()
+    hid = head.combine_aux(aux)
+    pos = torch.arange(t)[None].expand(b, t)
+    for k in range(steps):
+        lg, hid = head.forward_step(shift_left(ids, 1 + k, 0), hid, pos + k, cache, ttt_dense_mask(am, k))
+        real = am.bool()
+        torch.testing.assert_close(fast[k][real], lg[real], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: ",".join(o) or "plain")
+def test_train_serve_equality(opts):
+    """TTT step k at slot t == the drafting path's (k+1)-th draft from slot t, fed the same
+    teacher-forced tokens."""
+    torch.manual_seed(1)
+    head = Eagle3Head(_cfg(**opts)).double()
+    t, steps = 9, 4
+    ids = torch.randint(0, 50, (1, t))
+    aux = torch.randn(1, t, 72, dtype=torch.double)
+    train_logits = [lg for _, lg in ttt_unroll(head, ids, torch.ones(1, t), aux, steps)]
+    for slot in range(t - steps):
+        cache = head.new_cache()
+        tokens = ids[:, 1:slot + 2]  # step-0 entries for slots 0..slot carry x_{s+1}
+        logits, hid = head.forward_step(tokens, head.combine_aux(aux[:, :slot + 1]), torch.arange(slot + 1)[None], cache)
+        serve = [logits[:, -1]]
+        hid = hid[:, -1:]
+        for k in range(1, steps):
+            tok = ids[:, slot + 1 + k: slot + 2 + k]
+            logits, hid = head.forward_step(tok, hid, torch.tensor([[slot + k]]), cache)
+            serve.append(logits[:, -1])
+        for k in range(steps):
+            torch.testing.assert_close(train_logits[k][0, slot], serve[k][0], rtol=1e-9, atol=1e-9)
+
+
+def test_draft_leaves_only_step0_entries_in_cache():
+    head = Eagle3Head(_cfg(draft_vocab_size=20))
+    cache = head.new_cache()
+    ids, logits = head.draft(cache, torch.randint(0, 50, (1, 6)), torch.randn(1, 6, 72), torch.arange(6)[None], k=4)
+    assert ids.shape == (1, 4) and logits.shape == (1, 4, 20)
+    assert cache.length == 6
+    ids2, _ = head.draft(cache, torch.randint(0, 50, (1, 2)), torch.randn(1, 2, 72), torch.arange(6, 8)[None], k=3)
+    assert cache.length == 8 and ids2.shape == (1, 3)

@@ -1,0 +1,99 @@
+"""Targets and losses: the frozen target's distribution restricted to the draft
+vocabulary, and the soft-label cross-entropy (forward KL up to a constant) against it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class TargetLabels:
+    """What the head learns at each target slot s (the target's distribution of token s+1).
+
+    logits: [B, T, Vd] target logits on the draft vocabulary (float32)
+    argmax: [B, T] draft index of the target's argmax, -1 where it lies outside the draft
+        vocabulary
+    valid:  [B, T] bool: slot s counts (token s+1 is real and inside the loss mask, and the
+        target's argmax is in the draft vocabulary)
+    """
+
+    logits: torch.Tensor
+    argmax: torch.Tensor
+    valid: torch.Tensor
+
+    def shifted(self, offset: int) -> "TargetLabels":
+        """Labels for query slot t taken from target slot t + offset (invalid past the end)."""
+        if offset == 0:
+            return self
+        b, t = self.valid.shape
+        pad_valid = torch.zeros(b, offset, dtype=torch.bool, device=self.valid.device)
+        pad_arg = torch.full((b, offset), -1, dtype=self.argmax.dtype, device=self.argmax.device)
+        pad_logits = self.logits.new_zeros(b, offset, self.logits.shape[-1])
+        return TargetLabels(
+            logits=torch.cat([self.logits[:, offset:], pad_logits], dim=1),
+            argmax=torch.cat([self.argmax[:, offset:], pad_arg], dim=1),
+            valid=torch.cat([self.valid[:, offset:], pad_valid], dim=1),
+        )
+
+
+@torch.no_grad()
+def target_labels(
+    last_hidden: torch.Tensor,
+    norm: nn.Module,
+    lm_head_weight: torch.Tensor,
+    draft_ids: torch.Tensor,
+    t2d: torch.Tensor | None,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    chunk_tokens: int = 4096,
+) -> TargetLabels:
+    """Recompute the target's logits from its pre-norm last hidden state.
+
+    last_hidden [B, T, Ht]; lm_head_weight [Vt, Ht]; draft_ids [Vd] target ids of the draft
+    rows; t2d [Vt] bool or None (no map); loss_mask / attention_mask [B, T].
+    Chunked over tokens so a 200k vocabulary never materialises [B·T, Vt] at once.
+    """
+    b, t, ht = last_hidden.shape
+    flat = last_hidden.reshape(-1, ht)
+    draft_logits, argmax = [], []
+    weight = lm_head_weight
+    for start in range(0, flat.shape[0], chunk_tokens):
+        x = norm(flat[start:start + chunk_tokens].to(weight.dtype))
+        full = x @ weight.T  # [n, Vt]
+        argmax.append(full.argmax(-1))
+        draft_logits.append(full[:, draft_ids].float())
+    full_argmax = torch.cat(argmax).view(b, t)
+    logits = torch.cat(draft_logits).view(b, t, -1)
+    if t2d is None:
+        in_draft = torch.ones_like(full_argmax, dtype=torch.bool)
+        draft_index = full_argmax
+    else:
+        in_draft = t2d[full_argmax]
+        # position of each target id inside the sorted draft vocabulary
+        draft_index = torch.searchsorted(draft_ids, full_argmax.contiguous())
+        draft_index = torch.where(in_draft, draft_index, torch.full_like(draft_index, -1))
+    nxt_ok = torch.zeros_like(in_draft)
+    nxt_ok[:, :-1] = loss_mask[:, 1:].bool() & attention_mask[:, 1:].bool()
+    return TargetLabels(logits=logits, argmax=torch.where(in_draft, draft_index, -1), valid=nxt_ok & in_draft)
+
+
+def soft_cross_entropy(draft_logits: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Masked mean over valid slots of -sum_v p_target(v) log q_draft(v).
+
+    draft_logits / target_logits [B, T, Vd]; valid [B, T] bool. Returns a scalar (0 with a
+    graph when nothing is valid, so every rank still runs backward)."""
+    sel = valid.reshape(-1)
+    if not bool(sel.any()):
+        return draft_logits.sum() * 0.0
+    q = torch.log_softmax(draft_logits.reshape(-1, draft_logits.shape[-1])[sel].float(), dim=-1)
+    p = torch.softmax(target_logits.reshape(-1, target_logits.shape[-1])[sel].float(), dim=-1)
+    return -(p * q).sum(-1).mean()
+
+
+def argmax_accuracy(draft_logits: torch.Tensor, target_argmax: torch.Tensor, valid: torch.Tensor) -> tuple[int, int]:
+    """(hits, count): draft argmax == target argmax over valid slots."""
+    hits = ((draft_logits.argmax(-1) == target_argmax) & valid).sum()
+    return int(hits), int(valid.sum())

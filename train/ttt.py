@@ -1,0 +1,70 @@
+"""Training-time test for EAGLE-3 (DESIGN §3): unroll the head S steps over every slot of
+a batch, feeding each step its own previous hidden state, teacher-forced tokens and
+positions moved by one per step; the loss is the decayed sum of per-step soft-label
+cross-entropies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from eyas.heads.eagle3 import Eagle3Head
+from eyas.heads.layers import TTTMask
+from eyas.train.losses import TargetLabels, argmax_accuracy, soft_cross_entropy
+from eyas.train.masks import causal_padding_mask
+
+
+@dataclass
+class StepStats:
+    """Loss and accuracy counts of one forward over a batch (per unrolled step/depth)."""
+
+    loss: torch.Tensor
+    step_losses: list[float] = field(default_factory=list)
+    hits: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    tokens: int = 0  # real tokens processed
+
+
+def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """[B, T, ...] -> the same shape with x[:, n:] moved to the front and `fill` after."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def ttt_unroll(head: Eagle3Head, input_ids, attention_mask, aux, steps: int):
+    """Yield (k, logits [B, T, Vd]) for TTT steps k = 0..steps-1.
+
+    input_ids / attention_mask [B, T] (right padded); aux [B, T, n·Ht]. Step k at slot t
+    sees token x_{t+1+k} at position t+k and, as hidden input, its own output of step k-1
+    at slot t (step 0: fc of the target's features at t).
+    """
+    b, t = input_ids.shape
+    mask = TTTMask(causal_padding_mask(attention_mask))
+    cache = head.new_cache()
+    positions = torch.arange(t, device=input_ids.device)[None].expand(b, t)
+    hid = head.combine_aux(aux)
+    for k in range(steps):
+        tokens = shift_left(input_ids, 1 + k, 0)
+        logits, hid = head.forward_step(tokens, hid, positions + k, cache, mask)
+        yield k, logits
+
+
+def ttt_loss(head: Eagle3Head, batch: dict, labels: TargetLabels, steps: int, decay: float) -> StepStats:
+    """Σ_k decay^k · L_k, each L_k a masked mean (DESIGN §3). `batch` holds input_ids,
+    attention_mask and aux; `labels` come from `target_labels` on the same batch."""
+    total = None
+    stats = StepStats(loss=torch.zeros(()), tokens=int(batch["attention_mask"].sum()))
+    for k, logits in ttt_unroll(head, batch["input_ids"], batch["attention_mask"], batch["aux"], steps):
+        lab = labels.shifted(1 + k)
+        loss_k = soft_cross_entropy(logits, lab.logits, lab.valid)
+        total = decay**k * loss_k if total is None else total + decay**k * loss_k
+        hits, count = argmax_accuracy(logits.detach(), lab.argmax, lab.valid)
+        stats.step_losses.append(float(loss_k.detach()))
+        stats.hits.append(hits)
+        stats.counts.append(count)
+    stats.loss = total
+    return stats
