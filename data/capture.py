@@ -1,0 +1,199 @@
+"""The offline capture: run the frozen target over a prepared split and write the feature
+cache (format in data/cache.py) with the same `compute_features` the online trainer uses.
+
+The work is planned up front and deterministically (samples sorted by length, packed
+into batches of <= `batch_tokens` padded tokens, batches grouped into shards of about
+`shard_tokens` tokens), so a rerun after a kill skips the shards the manifest already
+lists and produces the same manifest as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from eyas.data.cache import (FORMAT, atomic_write, bytes_per_token, quantize_fp8, read_manifest,
+                             sha256_bytes, write_manifest)
+from eyas.data.targets import compute_features
+
+log = logging.getLogger(__name__)
+
+
+class CaptureError(RuntimeError):
+    """The capture cannot start or continue (disk space, a mismatching old cache, ...)."""
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by `fail_after_shards` to test resuming."""
+
+
+@dataclass
+class CapturePlan:
+    """shards[k] = list of batches; a batch = list of sample rows (ascending length)."""
+
+    shards: list[list[list[int]]]
+    lengths: list[int]
+
+    def shard_tokens(self, k: int) -> int:
+        return sum(self.lengths[i] for b in self.shards[k] for i in b)
+
+    def fingerprint(self, extra: dict) -> str:
+        return hashlib.sha256(json.dumps([self.shards, self.lengths, extra], sort_keys=True).encode()).hexdigest()
+
+
+def plan_capture(lengths: Sequence[int], batch_tokens: int, shard_tokens: int) -> CapturePlan:
+    """Length-bucketed batches (<= batch_tokens padded tokens, at least one sample) grouped
+    into shards of >= shard_tokens real tokens (the last may be smaller)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches, cur = [], []
+    for i in order:
+        # Sorted ascending, so the new sample sets the padded length of the batch.
+        if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    shards, shard, tokens = [], [], 0
+    for b in batches:
+        shard.append(b)
+        tokens += sum(lengths[i] for i in b)
+        if tokens >= shard_tokens:
+            shards.append(shard)
+            shard, tokens = [], 0
+    if shard:
+        shards.append(shard)
+    return CapturePlan(shards=shards, lengths=list(lengths))
+
+
+def check_disk(out_dir: Path, needed: int) -> None:
+    """Refuse with a clear message when the filesystem cannot hold `needed` more bytes."""
+    probe = out_dir
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if needed > free:
+        raise CaptureError(f"the cache needs about {needed / 1e9:.2f} GB but {probe} has only "
+                           f"{free / 1e9:.2f} GB free; free space, point run_dir elsewhere, use "
+                           "data.cache_dtype=fp8, or train with data.features=online")
+
+
+def _pad_batch(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right padding: with causal attention, padding at the end never changes the real tokens."""
+    T = max(len(r) for r in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, : len(r)] = torch.tensor(r)
+        mask[b, : len(r)] = 1
+    return ids, mask
+
+
+def capture_shard(model, input_ids: Sequence[list[int]], loss_mask: Sequence[list[int]], batches: list[list[int]],
+                  aux_layer_ids: Sequence[int], aux_dtype: str, pad_id: int) -> dict[str, torch.Tensor]:
+    """Run the target over one shard's batches; returns the shard's tensors (cache.py format)."""
+    device = next(model.parameters()).device
+    parts: dict[str, list] = {k: [] for k in ("input_ids", "loss_mask", "aux", "last")}
+    lengths, index = [], []
+    for batch in batches:
+        rows = [input_ids[i] for i in batch]
+        ids, mask = _pad_batch(rows, pad_id)
+        aux, last = compute_features(model, ids.to(device), mask.to(device), aux_layer_ids)
+        aux, last = aux.to("cpu", torch.bfloat16), last.to("cpu", torch.bfloat16)
+        for b, i in enumerate(batch):
+            n = len(rows[b])
+            parts["input_ids"].append(torch.tensor(rows[b], dtype=torch.int32))
+            parts["loss_mask"].append(torch.tensor(loss_mask[i], dtype=torch.uint8))
+            parts["aux"].append(aux[b, :n])
+            parts["last"].append(last[b, :n])
+            lengths.append(n)
+            index.append(i)
+    out = {k: torch.cat(v).contiguous() for k, v in parts.items()}
+    if aux_dtype == "fp8":
+        out["aux"], out["aux_scale"] = quantize_fp8(out["aux"], len(aux_layer_ids))
+    out["offsets"] = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+    out["sample_index"] = torch.tensor(index, dtype=torch.int64)
+    return out
+
+
+def _shard_name(k: int) -> str:
+    return f"shard-{k:05d}.safetensors"
+
+
+def capture_split(
+    model,
+    dataset,
+    out_dir: str | Path,
+    aux_layer_ids: Sequence[int],
+    aux_dtype: str = "bf16",
+    batch_tokens: int = 8192,
+    shard_tokens: int = 262_144,
+    pad_id: int = 0,
+    target_name: str = "",
+    fail_after_shards: Optional[int] = None,
+    progress: bool = True,
+) -> dict:
+    """Capture one prepared split (a `datasets.Dataset` with input_ids, loss_mask) into
+    `out_dir`; resumes a partial capture of the same plan. Returns the final manifest."""
+    from safetensors.torch import save
+    from tqdm.auto import tqdm
+
+    out_dir = Path(out_dir)
+    hidden = model.config.get_text_config().hidden_size if hasattr(model.config, "get_text_config") \
+        else model.config.hidden_size
+    all_ids, all_masks = list(dataset["input_ids"]), list(dataset["loss_mask"])
+    lengths = [len(x) for x in all_ids]
+    plan = plan_capture(lengths, batch_tokens, shard_tokens)
+    settings = {"aux_layer_ids": list(aux_layer_ids), "aux_dtype": aux_dtype, "hidden_size": hidden,
+                "target": target_name}
+    fingerprint = plan.fingerprint(settings)
+    manifest = read_manifest(out_dir)
+    if manifest is not None and manifest.get("plan") != fingerprint:
+        raise CaptureError(f"{out_dir} holds a cache of other data or settings; delete it or pass "
+                           "--overwrite to recapture")
+    if manifest is None:
+        manifest = {"format": FORMAT, "version": 1, **settings, "num_samples": len(lengths),
+                    "num_tokens": sum(lengths), "plan": fingerprint, "complete": False, "shards": []}
+    # A shard counts as done when the manifest lists it and its file exists; a deleted
+    # (e.g. damaged) shard is recomputed.
+    manifest["complete"] = False
+    manifest["shards"] = [s for s in manifest["shards"] if (out_dir / s["file"]).is_file()]
+    have = {s["file"] for s in manifest["shards"]}
+    todo = [k for k in range(len(plan.shards)) if _shard_name(k) not in have]
+    done = len(plan.shards) - len(todo)
+    bpt = bytes_per_token(len(aux_layer_ids), hidden, aux_dtype)
+    remaining = sum(plan.shard_tokens(k) for k in todo)
+    log.info("capture %s: %d samples, %d tokens in %d shards (%d done); %d bytes/token -> "
+             "about %.3f GB still to write", out_dir, len(lengths), sum(lengths), len(plan.shards), done, bpt,
+             remaining * bpt / 1e9)
+    check_disk(out_dir, remaining * bpt)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=sum(lengths), initial=sum(lengths) - remaining, unit="tok", desc=f"capture {out_dir.name}",
+               disable=not progress)
+    written_now = 0
+    for k in todo:
+        if fail_after_shards is not None and written_now >= fail_after_shards:
+            raise InjectedFailure(f"injected failure after {written_now} shards")
+        tensors = capture_shard(model, all_ids, all_masks, plan.shards[k], aux_layer_ids, aux_dtype, pad_id)
+        data = save(tensors)
+        name = _shard_name(k)
+        atomic_write(out_dir / name, data)
+        shard_lengths = [plan.lengths[i] for b in plan.shards[k] for i in b]
+        manifest["shards"].append({"file": name, "sha256": sha256_bytes(data), "bytes": len(data),
+                                   "num_samples": len(shard_lengths), "num_tokens": sum(shard_lengths),
+                                   "lengths": shard_lengths})
+        manifest["shards"].sort(key=lambda s: s["file"])
+        write_manifest(out_dir, manifest)
+        written_now += 1
+        bar.update(sum(shard_lengths))
+    bar.close()
+    manifest["complete"] = True
+    write_manifest(out_dir, manifest)
+    return manifest

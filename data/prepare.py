@@ -1,0 +1,165 @@
+"""The prepare stage: conversations -> (optional regeneration) -> token ids + loss masks,
+a deterministic train/eval split, token frequencies and a drop report.
+
+Output directory (`run_dir/prepared`):
+  dataset/                 a `datasets.DatasetDict` ("train", "eval"; columns input_ids
+                           list[int], loss_mask list[int] of 0/1) — read it with `load_prepared`
+  token_freqs.safetensors  {"freqs": int64 [Vt]}: counts of each target id over the masked
+                           tokens of the train split — read it with `load_token_frequencies`
+  drop_report.json         rows read / kept / dropped per reason (reader and renderer)
+  meta.json                target, tokenizer vocabulary size, counts, settings
+  regenerated.jsonl        (regeneration only) the target's replies; resumable
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from eyas.data.conversations import DropReport, NoUsableDataError, read_conversations
+from eyas.data.templates import TemplateError, render_with_mask
+
+log = logging.getLogger(__name__)
+
+
+def render_all(tokenizer, conversations, max_length: int, train_on: str, report: DropReport,
+               progress: bool = True) -> tuple[list[list[int]], list[list[int]]]:
+    """Render every conversation; failures are dropped and counted on `report`."""
+    from tqdm.auto import tqdm
+
+    ids, masks = [], []
+    for conv in tqdm(conversations, desc="render", unit="conv", disable=not progress):
+        try:
+            r = render_with_mask(tokenizer, conv, train_on, max_length)
+        except TemplateError as err:
+            report.kept -= 1
+            report.drop(err.reason)
+            continue
+        ids.append(r.input_ids)
+        masks.append(r.loss_mask)
+    return ids, masks
+
+
+def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic held-out split: a seeded shuffle; eval gets round(n * fraction) rows
+    (at least one when the fraction is positive and n > 1)."""
+    n_eval = int(round(n * eval_fraction))
+    if eval_fraction > 0 and n > 1:
+        n_eval = max(1, n_eval)
+    n_eval = min(n_eval, n - 1)
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return sorted(order[n_eval:]), sorted(order[:n_eval])
+
+
+def token_frequencies(input_ids: list[list[int]], loss_masks: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """Counts [Vt] int64 of each token id over the masked positions."""
+    freqs = torch.zeros(vocab_size, dtype=torch.int64)
+    for ids, mask in zip(input_ids, loss_masks):
+        t = torch.tensor(ids, dtype=torch.int64)[torch.tensor(mask, dtype=torch.bool)]
+        freqs += torch.bincount(t, minlength=vocab_size)[:vocab_size]
+    return freqs
+
+
+def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None, progress: bool = True) -> dict:
+    """Run the prepare stage for a recipe; returns the meta dict written to meta.json.
+
+    `tokenizer` / `target` may be passed in (tests, notebooks); otherwise the tokenizer
+    is loaded from `recipe.target`, and the whole target only when regenerating.
+    """
+    import datasets
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from eyas.data.targets import load_target, resolve_target_path
+
+    cfg = recipe.data
+    out_dir = Path(out_dir or recipe.paths.prepared)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    conversations, report = read_conversations(cfg.sources, cfg.format, cfg.max_samples)
+    log.info("read: %s", report.summary())
+    if cfg.regenerate.enabled:
+        if target is None and cfg.regenerate.backend == "hf":
+            t = recipe.target
+            target = load_target(t.name_or_path, t.dtype, t.device, t.attn_implementation, t.trust_remote_code,
+                                 t.revision)
+        tokenizer = tokenizer or (target.tokenizer if target is not None else None)
+        from eyas.data.regenerate import regenerate
+
+        rg = cfg.regenerate
+        conversations = regenerate(
+            conversations, tokenizer or AutoTokenizer.from_pretrained(resolve_target_path(recipe.target.name_or_path)),
+            out_dir / "regenerated.jsonl", model=target.model if target is not None else None,
+            backend=rg.backend, batch_size=rg.batch_size, max_new_tokens=rg.max_new_tokens,
+            temperature=rg.temperature, top_p=rg.top_p, seed=rg.seed,
+            vllm_model=resolve_target_path(recipe.target.name_or_path), progress=progress,
+        )
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(recipe.target.name_or_path),
+                                                  trust_remote_code=recipe.target.trust_remote_code)
+    ids, masks = render_all(tokenizer, conversations, cfg.max_length, cfg.train_on, report, progress)
+    (out_dir / "drop_report.json").write_text(json.dumps(report.as_dict(), indent=1) + "\n")
+    log.info("prepared: %s", report.summary())
+    if not ids:
+        raise NoUsableDataError(f"no conversation survived rendering: {report.summary()}")
+    train_idx, eval_idx = split_indices(len(ids), cfg.eval_fraction, cfg.seed)
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
+                                  "loss_mask": datasets.Sequence(datasets.Value("uint8"))})
+
+    def split(idx):
+        return datasets.Dataset.from_dict({"input_ids": [ids[i] for i in idx], "loss_mask": [masks[i] for i in idx]},
+                                          features=features)
+
+    dd = datasets.DatasetDict({"train": split(train_idx), "eval": split(eval_idx)})
+    dd.save_to_disk(str(out_dir / "dataset"))
+    vocab = max(len(tokenizer), max(max(r) for r in ids) + 1, _config_vocab_size(recipe))
+    freqs = token_frequencies([ids[i] for i in train_idx], [masks[i] for i in train_idx], vocab)
+    save_file({"freqs": freqs}, str(out_dir / "token_freqs.safetensors"))
+    meta = {"target": recipe.target.name_or_path, "tokenizer_vocab_size": vocab, "train": len(train_idx),
+            "eval": len(eval_idx), "train_tokens": sum(len(ids[i]) for i in train_idx),
+            "masked_train_tokens": int(freqs.sum()), "max_length": cfg.max_length, "train_on": cfg.train_on,
+            "drop_report": report.as_dict()}
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def _config_vocab_size(recipe) -> int:
+    """The target's vocabulary (embedding rows, often padded past the tokenizer's length),
+    so the frequency vector lines up with the LM head."""
+    from transformers import AutoConfig
+
+    from eyas.data.targets import resolve_target_path, text_config
+
+    try:
+        cfg = AutoConfig.from_pretrained(resolve_target_path(recipe.target.name_or_path),
+                                         trust_remote_code=recipe.target.trust_remote_code)
+        return int(text_config(cfg).vocab_size)
+    except Exception:  # no config reachable (tokenizer-only tests): the tokenizer decides
+        return 0
+
+
+def load_prepared(path: str | Path):
+    """The prepared `datasets.DatasetDict` ("train", "eval"; input_ids, loss_mask).
+    `path` is the prepared directory (or its dataset/ subdirectory)."""
+    import datasets
+
+    path = Path(path)
+    if (path / "dataset").is_dir():
+        path = path / "dataset"
+    return datasets.load_from_disk(str(path))
+
+
+def load_token_frequencies(path: str | Path) -> torch.Tensor:
+    """Masked-token counts [Vt] int64 of the train split (input to heads.vocab.build_vocab_map);
+    Vt = max(tokenizer length, the target config's vocab_size)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / "token_freqs.safetensors"
+    return load_file(str(path))["freqs"]

@@ -1,0 +1,148 @@
+"""Regeneration: replace the assistant turns of conversations with the target's own
+replies, since a draft head learns the target's distribution, not the dataset's.
+
+Multi-turn conversations are regenerated turn by turn: reply k is generated from the
+history whose earlier replies are already the target's own, so every trained turn is
+conditioned as at serving time. Output is a JSONL file, one `{"index", "messages"}` record
+per conversation, appended and fsynced after every batch; a rerun reads the whole
+records already there (a cut-off last line is ignored) and continues after them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from eyas.data.templates import prompt_ids
+
+log = logging.getLogger(__name__)
+
+
+def _done_records(path: Path) -> dict[int, list[dict]]:
+    """Whole records already written; a line cut off by a kill is removed from the file so
+    appending continues on a fresh line."""
+    done = {}
+    if path.is_file():
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with open(path, "r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                    done[int(rec["index"])] = rec["messages"]
+                except (json.JSONDecodeError, KeyError, ValueError):
+                    continue  # the line a kill cut off
+    return done
+
+
+@torch.no_grad()
+def generate_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                        top_p: float) -> list[str]:
+    """Batched generation with left padding (so every prompt ends at the same column)."""
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):] = torch.tensor(p)
+        mask[b, T - len(p):] = 1
+    sample = temperature > 0
+    out = model.generate(
+        input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+        do_sample=sample, temperature=temperature if sample else None, top_p=top_p if sample else None,
+        top_k=None, pad_token_id=pad,
+    )
+    return [tokenizer.decode(row[T:], skip_special_tokens=True).strip() for row in out]
+
+
+def generate_replies_vllm(llm, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                          top_p: float, seed: int) -> list[str]:
+    """The same with a vLLM engine (`vllm.LLM`), when installed."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].text.strip() for o in outs]
+
+
+def regenerate(
+    conversations: Sequence[list[dict]],
+    tokenizer,
+    out_path: str | Path,
+    model=None,
+    backend: str = "hf",
+    batch_size: int = 16,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    vllm_model: Optional[str] = None,
+    progress: bool = True,
+) -> list[list[dict]]:
+    """Regenerate every assistant turn; returns the new conversations (in input order).
+
+    Replies that come back empty (the target stopped at once) keep the turn out of the
+    result by ending the conversation before it; a conversation left without any
+    assistant turn is dropped by the caller's renderer.
+    """
+    from tqdm.auto import tqdm
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = _done_records(out_path)
+    todo = [i for i in range(len(conversations)) if i not in done]
+    torch.manual_seed(seed)
+    llm = None
+    if backend == "vllm":
+        from vllm import LLM
+
+        llm = LLM(model=vllm_model, seed=seed)
+    bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo), desc="regenerate",
+               unit="conv", disable=not progress)
+    with open(out_path, "a", encoding="utf-8") as f:
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start:start + batch_size]
+            histories = {i: [] for i in batch}
+            alive = set(batch)
+            max_turns = max(len(conversations[i]) for i in batch)
+            for t in range(max_turns):
+                # Turn t of every conversation in the batch: copy user/system turns, generate assistant ones.
+                need = []
+                for i in batch:
+                    conv = conversations[i]
+                    if i not in alive or t >= len(conv):
+                        continue
+                    if conv[t]["role"] == "assistant":
+                        need.append(i)
+                    else:
+                        histories[i].append({"role": conv[t]["role"], "content": conv[t]["content"]})
+                if not need:
+                    continue
+                prompts = [prompt_ids(tokenizer, histories[i]) for i in need]
+                if llm is not None:
+                    replies = generate_replies_vllm(llm, tokenizer, prompts, max_new_tokens, temperature, top_p, seed)
+                else:
+                    replies = generate_replies_hf(model, tokenizer, prompts, max_new_tokens, temperature, top_p)
+                for i, reply in zip(need, replies):
+                    if reply:
+                        histories[i].append({"role": "assistant", "content": reply})
+                    else:
+                        alive.discard(i)
+            for i in batch:
+                while histories[i] and histories[i][-1]["role"] != "assistant":
+                    histories[i].pop()
+                f.write(json.dumps({"index": i, "messages": histories[i]}, ensure_ascii=False) + "\n")
+                done[i] = histories[i]
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(len(batch))
+    bar.close()
+    return [done[i] for i in range(len(conversations))]

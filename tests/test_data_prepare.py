@@ -1,0 +1,93 @@
+"""The prepare stage end to end on a tiny target (CLI), regeneration and its resume."""
+
+import json
+
+import pytest
+import torch
+
+from eyas.cli import main
+from eyas.data.prepare import load_prepared, load_token_frequencies, split_indices
+
+
+def _write_corpus(path, n=30):
+    rows = []
+    for k in range(n):
+        rows.append({"conversations": [{"from": "human", "value": f"question {k}?"},
+                                       {"from": "gpt", "value": f"answer number {k}."},
+                                       {"from": "human", "value": "more"},
+                                       {"from": "gpt", "value": "x" * (5 if k % 10 else 400)}]})
+    rows.append({"conversations": [{"from": "robot", "value": "?"}, {"from": "gpt", "value": "y"}]})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n")
+    return path
+
+
+def test_split_is_deterministic_and_disjoint():
+    a = split_indices(100, 0.1, seed=3)
+    assert a == split_indices(100, 0.1, seed=3) and len(a[1]) == 10
+    assert not set(a[0]) & set(a[1]) and sorted(a[0] + a[1]) == list(range(100))
+    assert split_indices(100, 0.1, seed=4) != a
+    assert len(split_indices(5, 0.01, 0)[1]) == 1 and split_indices(5, 0.0, 0)[1] == []
+
+
+def test_prepare_cli_writes_dataset_freqs_and_drop_report(tiny_llama_dir, tmp_path, capsys):
+    corpus = _write_corpus(tmp_path / "c.jsonl")
+    run = tmp_path / "run"
+    args = [f"run_dir={run}", f"target.name_or_path={tiny_llama_dir}", f"data.sources=[{corpus}]",
+            "data.max_length=300", "data.eval_fraction=0.1", "data.train_on=last"]
+    assert main(["prepare", "--no-progress", *args]) == 0
+    report = json.loads((run / "prepared" / "drop_report.json").read_text())
+    assert report["dropped"] == {"bad_json": 1, "over_length": 3, "unknown_role": 1}
+    assert report["kept"] == 27 and "over_length" in capsys.readouterr().out
+    dd = load_prepared(run / "prepared")
+    assert len(dd["train"]) == 24 and len(dd["eval"]) == 3
+    freqs = load_token_frequencies(run / "prepared")
+    assert freqs.shape == (320,)
+    # Frequencies count exactly the masked train tokens; with train_on=last only the last reply.
+    n_masked = sum(sum(m) for m in dd["train"]["loss_mask"])
+    assert int(freqs.sum()) == n_masked == 24 * (5 + 1)  # "xxxxx" + <|im_end|>
+    from tiny_targets import byte_tokenizer
+
+    tok = byte_tokenizer()
+    assert freqs[tok.convert_tokens_to_ids("x")] == 24 * 5 and freqs[tok.convert_tokens_to_ids("<|im_end|>")] == 24
+
+    # The captured cache lines up with the prepared data.
+    assert main(["capture", "--no-progress", *args, "data.shard_tokens=2000"]) == 0
+    from eyas.data.cache import FeatureCache
+
+    cache = FeatureCache(run / "cache", "train")
+    assert len(cache) == 24 and cache.aux_layer_ids == [2, 4, 5]
+    s = cache[3]
+    assert s["input_ids"].tolist() == dd["train"][s["sample_index"]]["input_ids"]
+    assert main(["capture", *args, "--verify"]) == 0
+
+
+def test_nothing_usable_is_an_error(tiny_llama_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{nope\n")
+    assert main(["prepare", f"run_dir={tmp_path}/r", f"target.name_or_path={tiny_llama_dir}",
+                 f"data.sources=[{bad}]"]) == 1
+
+
+def test_regeneration_turn_by_turn_and_resume(tiny_llama_dir, tmp_path):
+    from eyas.data.regenerate import regenerate
+    from eyas.data.targets import load_target
+
+    target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    convs = [[{"role": "user", "content": f"q{k}"}, {"role": "assistant", "content": "old"},
+              {"role": "user", "content": "again"}, {"role": "assistant", "content": "old2"}] for k in range(5)]
+    out = tmp_path / "regen.jsonl"
+    kw = dict(model=target.model, batch_size=2, max_new_tokens=6, progress=False)
+    full = regenerate(convs, target.tokenizer, out, **kw)
+    assert len(full) == 5
+    for conv in full:
+        assert conv[0]["content"].startswith("q") and all(m["content"] not in ("old", "old2") for m in conv)
+    # Greedy batched replies equal unbatched ones (left padding is right).
+    single = regenerate(convs[:1], target.tokenizer, tmp_path / "one.jsonl", **{**kw, "batch_size": 1})
+    assert single[0] == full[0]
+    # Simulate a kill: keep the first 3 records and half a line, then resume.
+    lines = out.read_text().splitlines()
+    out.write_text("\n".join(lines[:3]) + "\n" + lines[3][:10])
+    resumed = regenerate(convs, target.tokenizer, out, **kw)
+    assert resumed == full
+    records = [json.loads(line) for line in out.read_text().splitlines()]  # the cut line was removed
+    assert sorted(r["index"] for r in records) == list(range(5))
