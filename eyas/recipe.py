@@ -113,6 +113,9 @@ class TrainSection(_Section):
     logger: Literal["tensorboard", "wandb", "jsonl", "none"] = "jsonl"
     max_nonfinite_steps: int = 5
     num_workers: int = 0
+    eval_batches: Optional[int] = None  # cap on eval micro-batches per evaluation (None: the whole split)
+    resume: bool = True  # continue from the newest checkpoint in run_dir/checkpoints
+    cpu_threads: Optional[int] = None  # torch intra-op threads on CPU (None: torch's default)
 
 
 class ExportSection(_Section):

@@ -1,15 +1,50 @@
-"""eyas train (not implemented yet)."""
+"""eyas train: train the draft head a recipe describes (DESIGN §2.4).
+
+Reads run_dir/prepared (token frequencies; the dataset in online mode) and, with
+data.features=offline, run_dir/cache from `eyas capture`. Writes run_dir/recipe.yaml,
+metrics (run_dir/metrics.jsonl, tensorboard/ or wandb/), checkpoints every
+train.save_every steps under run_dir/checkpoints/step-N (full state; a rerun resumes from
+the newest) and the trained head in run_dir/checkpoints/final (read by `eyas export`).
+
+examples:
+  eyas train -r recipes/smollm2-135m-eagle3.yaml
+  eyas train -r R train.max_steps=200 train.logger=tensorboard
+  accelerate launch --config_file recipes/accelerate/ddp.yaml -m eyas.train -r R
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import sys
 
-from eyas.commands._common import add_recipe_arguments, not_implemented
+from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_recipe_arguments(parser)
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--json", action="store_true", help="print the run summary as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    return not_implemented("train")
+    from eyas.train.loop import TrainingStopped, train
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    recipe = load_recipe_from_args(args)
+    try:
+        summary = train(recipe, progress=not args.no_progress)
+    except TrainingStopped as err:
+        print(f"eyas train: {err}", file=sys.stderr)
+        return 1
+    except (FileNotFoundError, ValueError) as err:
+        print(f"eyas train: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        ev = summary["eval"]
+        extra = f", eval acceptance length {ev['eval/accept_len']:.2f}" if "eval/accept_len" in ev else ""
+        print(f"trained {summary['step']} steps{extra}; head in {summary['final_dir']}")
+    return 0

@@ -1,0 +1,46 @@
+"""Training algorithms by name: each maps one batch to a `StepStats`.
+
+A loss function has the signature `(head, batch, labels, train_cfg, generator) -> StepStats`
+with `batch` the training batch of the brief (input_ids, attention_mask, loss_mask, aux,
+last), `labels` the `TargetLabels` of that batch, `train_cfg` the recipe's TrainSection and
+`generator` a torch.Generator for any sampling the algorithm does (checkpointed with the
+run). P-EAGLE's loss lives in `eyas.train.cod` and is imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from eyas.train.ttt import StepStats, ttt_loss
+
+LossFn = Callable[..., StepStats]
+
+
+def eagle3_loss(head, batch: dict, labels, train_cfg, generator=None) -> StepStats:
+    """EAGLE-3 training-time test: `train_cfg.ttt_steps` unrolled steps, weights decay^k."""
+    return ttt_loss(head, batch, labels, train_cfg.ttt_steps, train_cfg.ttt_decay)
+
+
+_LAZY = {"peagle": ("eyas.train.cod", "peagle_loss")}
+_REGISTRY: dict[str, LossFn] = {"eagle3": eagle3_loss}
+
+
+def register_algorithm(name: str, fn: LossFn) -> None:
+    _REGISTRY[name] = fn
+
+
+def loss_function(name: str) -> LossFn:
+    """The loss function of algorithm `name` ("eagle3", "peagle", or a registered one)."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as err:
+            raise NotImplementedError(f"algorithm {name!r} needs {module}.{attr}, which is not available: {err}") from err
+        _REGISTRY[name] = fn
+        return fn
+    known = sorted(set(_REGISTRY) | set(_LAZY))
+    raise ValueError(f"unknown training algorithm {name!r}; known: {', '.join(known)}")

@@ -1,0 +1,174 @@
+"""Length-bucketed training batches, deterministic under the seed and resumable by position.
+
+A *plan* is the list of micro-batches of one epoch, each a list of sample indices whose
+padded size (longest sample × count) fits `batch_tokens`. Samples are bucketed inside
+groups: a feature-cache shard (its samples are already length-sorted and one shard stays in
+memory, so a batch never reads two shards) or, for the prepared dataset, seeded chunks of
+the shuffled split. The order of groups and of batches inside a group is shuffled with
+`seed + epoch`, so epoch e of a run is the same list on every restart: the data position
+`(epoch, batches consumed)` is all a checkpoint needs.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+
+def pack_group(indices: Sequence[int], lengths: Sequence[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
+    """Greedy packing of one group sorted by length (longest first): a batch grows while
+    `longest × (count + 1) <= batch_tokens` and count < max_batch_size. A sample longer
+    than `batch_tokens` gets a batch of its own."""
+    order = sorted(indices, key=lambda i: (-lengths[i], i))
+    batches, cur, longest = [], [], 0
+    for i in order:
+        n = lengths[i]
+        if cur and (max(longest, n) * (len(cur) + 1) > batch_tokens or len(cur) >= max_batch_size):
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def plan_epoch(lengths: Sequence[int], groups: Sequence[Sequence[int]], batch_tokens: int, max_batch_size: int,
+               seed: int, epoch: int, multiple_of: int = 1) -> list[list[int]]:
+    """The micro-batches of one epoch (lists of sample indices). The count is cut down to a
+    multiple of `multiple_of` (world size × grad accumulation) so every rank runs the
+    same number of optimizer steps."""
+    rng = random.Random(seed * 1_000_003 + epoch)
+    group_order = list(range(len(groups)))
+    rng.shuffle(group_order)
+    plan: list[list[int]] = []
+    for g in group_order:
+        batches = pack_group(groups[g], lengths, batch_tokens, max_batch_size)
+        rng.shuffle(batches)
+        plan.extend(batches)
+    return plan[: len(plan) - len(plan) % multiple_of] if multiple_of > 1 else plan
+
+
+def dataset_groups(n: int, seed: int, group_size: int) -> list[list[int]]:
+    """Seeded chunks of a shuffled range(n): buckets for data without shards."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return [order[i:i + group_size] for i in range(0, n, group_size)]
+
+
+def cache_groups(cache) -> list[list[int]]:
+    """One group per feature-cache shard."""
+    groups: dict[int, list[int]] = {}
+    for i in range(len(cache)):
+        groups.setdefault(cache.shard_of(i), []).append(i)
+    return [groups[k] for k in sorted(groups)]
+
+
+def collate(samples: list[dict], pad_id: int = 0) -> dict:
+    """Right-pad samples to the longest. Each sample holds input_ids [T] and loss_mask [T],
+    and optionally aux [T, n·Ht] / last [T, Ht]. Returns input_ids, attention_mask,
+    loss_mask [B, T] (long) and aux [B, T, n·Ht] / last [B, T, Ht] when present."""
+    b = len(samples)
+    t = max(len(s["input_ids"]) for s in samples)
+    ids = torch.full((b, t), pad_id, dtype=torch.long)
+    am = torch.zeros(b, t, dtype=torch.long)
+    lm = torch.zeros(b, t, dtype=torch.long)
+    out = {"input_ids": ids, "attention_mask": am, "loss_mask": lm}
+    for key in ("aux", "last"):
+        if key in samples[0]:
+            ref = samples[0][key]
+            out[key] = ref.new_zeros(b, t, ref.shape[-1])
+    for r, s in enumerate(samples):
+        n = len(s["input_ids"])
+        ids[r, :n] = torch.as_tensor(s["input_ids"], dtype=torch.long)
+        am[r, :n] = 1
+        lm[r, :n] = torch.as_tensor(s["loss_mask"], dtype=torch.long)
+        for key in ("aux", "last"):
+            if key in out:
+                out[key][r, :n] = s[key]
+    return out
+
+
+@dataclass
+class DataPosition:
+    """Where the loader stands: `batches` micro-batches of epoch `epoch` are consumed
+    (counted over all ranks)."""
+
+    epoch: int = 0
+    batches: int = 0
+
+    def as_dict(self) -> dict:
+        return {"epoch": self.epoch, "batches": self.batches}
+
+
+class BatchStream:
+    """Endless stream of collated micro-batches for one rank, epoch after epoch.
+
+    `source[i]` returns a sample dict (a FeatureCache, or a prepared `datasets.Dataset`
+    row). Rank r of `world` takes micro-batches r, r + world, ... of each epoch plan.
+    """
+
+    def __init__(self, source, lengths: Sequence[int], groups: Sequence[Sequence[int]], batch_tokens: int,
+                 max_batch_size: int, seed: int, rank: int = 0, world: int = 1, multiple_of: int = 1,
+                 pad_id: int = 0, position: DataPosition | None = None):
+        self.source, self.lengths, self.groups = source, list(lengths), groups
+        self.batch_tokens, self.max_batch_size, self.seed = batch_tokens, max_batch_size, seed
+        self.rank, self.world = rank, world
+        self.multiple_of = max(1, multiple_of) * world
+        self.pad_id = pad_id
+        self.position = position or DataPosition()
+        self._plan_epoch: int | None = None
+        self._plan: list[list[int]] = []
+
+    def plan(self, epoch: int) -> list[list[int]]:
+        if self._plan_epoch != epoch:
+            self._plan = plan_epoch(self.lengths, self.groups, self.batch_tokens, self.max_batch_size, self.seed,
+                                    epoch, self.multiple_of)
+            self._plan_epoch = epoch
+            if not self._plan:
+                raise ValueError(f"no batch fits: {len(self.lengths)} samples cannot fill {self.multiple_of} "
+                                 "micro-batches (lower train.batch_tokens, grad_accum or the process count)")
+        return self._plan
+
+    def batches_per_epoch(self) -> int:
+        """Micro-batches per epoch over all ranks."""
+        return len(self.plan(self.position.epoch))
+
+    def tokens_per_epoch(self) -> int:
+        return sum(self.lengths[i] for b in self.plan(self.position.epoch) for i in b)
+
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        plan = self.plan(self.position.epoch)
+        if self.position.batches >= len(plan):
+            self.position = DataPosition(self.position.epoch + 1, 0)
+            plan = self.plan(self.position.epoch)
+        indices = plan[self.position.batches + self.rank]
+        self.position = DataPosition(self.position.epoch, self.position.batches + self.world)
+        return collate([self._sample(i) for i in indices], self.pad_id)
+
+    def _sample(self, i: int) -> dict:
+        row = self.source[i]
+        return row if isinstance(row.get("input_ids"), torch.Tensor) else {
+            "input_ids": row["input_ids"], "loss_mask": row["loss_mask"]}
+
+
+def offline_stream(cache, train_cfg, rank=0, world=1, position=None, pad_id: int = 0) -> BatchStream:
+    """Batches from a `FeatureCache` (aux and last included)."""
+    return BatchStream(cache, cache.lengths, cache_groups(cache), train_cfg.batch_tokens, train_cfg.max_batch_size,
+                       train_cfg.seed, rank, world, train_cfg.grad_accum, pad_id, position)
+
+
+def online_stream(dataset, train_cfg, rank=0, world=1, position=None, pad_id: int = 0,
+                  group_batches: int = 64) -> BatchStream:
+    """Batches of token ids from a prepared split; features come from the target later."""
+    lengths = [len(x) for x in dataset["input_ids"]]
+    group_size = max(1, group_batches * train_cfg.max_batch_size)
+    groups = dataset_groups(len(lengths), train_cfg.seed, group_size)
+    return BatchStream(dataset.with_format(None), lengths, groups, train_cfg.batch_tokens, train_cfg.max_batch_size,
+                       train_cfg.seed, rank, world, train_cfg.grad_accum, pad_id, position)

@@ -1,0 +1,157 @@
+"""Full-state training checkpoints, written atomically, and resume from the latest.
+
+Layout of `run_dir/checkpoints/`:
+
+  step-00000500/            one directory per saved step (the newest `keep` are kept)
+    state.json             step, data position, non-finite counters, scheduler state
+    model.safetensors      the head (`head_state_dict`: the frozen target embedding left out)
+    optimizer.pt           optimizer state (tensors and numbers; read with weights_only=True)
+    rng-rank{r}.safetensors  torch CPU / CUDA RNG and the loss generator of rank r
+    accelerate/            (DeepSpeed / FSDP only) the engine's own sharded model+optimizer
+  final/                   the trained head (`eyas.heads.io.save_head`), read by `eyas export`
+
+A checkpoint is written into `.tmp-step-N` and renamed when complete, so a kill at any
+moment leaves the previous checkpoint usable; a `.tmp-*` left by a kill is removed on the
+next save. Nothing here is unpickled: optimizer state loads with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyas.heads.io import head_state_dict
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+STATE_NAME = "state.json"
+
+
+@dataclass
+class TrainerState:
+    """What besides tensors a resumed run needs."""
+
+    step: int = 0
+    epoch: int = 0
+    batches: int = 0  # micro-batches of `epoch` consumed, over all ranks
+    nonfinite_total: int = 0
+    nonfinite_run: int = 0
+    scheduler: dict = field(default_factory=dict)
+    world_size: int = 1
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainerState":
+        return cls(**json.loads(text))
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `root`, oldest first, as (step, dir)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = STEP_DIR.match(p.name)
+        if m and (p / STATE_NAME).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    ckpts = list_checkpoints(root)
+    return ckpts[-1][1] if ckpts else None
+
+
+def rng_tensors(generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+    state = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            state[f"torch_cuda_{i}"] = s
+    if generator is not None:
+        state["loss_generator"] = generator.get_state()
+    return state
+
+
+def restore_rng(state: dict[str, torch.Tensor], generator: torch.Generator | None) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    cuda = [state[k] for k in sorted(k for k in state if k.startswith("torch_cuda_"))]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    if generator is not None and "loss_generator" in state:
+        generator.set_state(state["loss_generator"])
+
+
+def uses_engine_state(accelerator) -> bool:
+    """DeepSpeed and FSDP shard model/optimizer state: only their own save/load is right."""
+    return accelerator.distributed_type.name in ("DEEPSPEED", "FSDP")
+
+
+def save_checkpoint(root: str | Path, accelerator, model, optimizer, state: TrainerState,
+                    generator: torch.Generator | None = None, keep: int = 2) -> Path:
+    """Write checkpoint `step-<state.step>` atomically (every rank calls this). `model` is
+    the prepared (wrapped) module whose unwrapped form has a `.head`."""
+    root = Path(root)
+    final = root / step_dir_name(state.step)
+    tmp = root / (".tmp-" + final.name)
+    if accelerator.is_main_process:
+        for stale in root.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    if uses_engine_state(accelerator):
+        accelerator.save_state(str(tmp / "accelerate"))
+    elif accelerator.is_main_process:
+        head = accelerator.unwrap_model(model).head
+        save_file(head_state_dict(head), str(tmp / "model.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    save_file({k: v.contiguous() for k, v in rng_tensors(generator).items()},
+              str(tmp / f"rng-rank{accelerator.process_index}.safetensors"))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        # state.json last: its presence marks a complete checkpoint.
+        (tmp / STATE_NAME).write_text(state.to_json())
+        if final.exists():  # a re-save of the same step (e.g. the end of a resumed run)
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for _, old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(path: str | Path, accelerator, model, optimizer,
+                    generator: torch.Generator | None = None) -> TrainerState:
+    """Restore a checkpoint written by `save_checkpoint` into the prepared objects."""
+    path = Path(path)
+    state = TrainerState.from_json((path / STATE_NAME).read_text())
+    if uses_engine_state(accelerator):
+        if not (path / "accelerate").is_dir():
+            raise ValueError(f"{path}: written without DeepSpeed/FSDP; resume it with the same launcher config")
+        accelerator.load_state(str(path / "accelerate"))
+    else:
+        if not (path / "model.safetensors").is_file():
+            raise ValueError(f"{path}: a DeepSpeed/FSDP checkpoint; resume it with the same launcher config")
+        head = accelerator.unwrap_model(model).head
+        weights = load_file(str(path / "model.safetensors"), device=str(accelerator.device))
+        missing, unexpected = head.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if not (k == "embed_tokens.weight" and not head.trains_embedding)]
+        if missing or unexpected:
+            raise ValueError(f"{path / 'model.safetensors'}: missing {missing}, unexpected {unexpected}")
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=accelerator.device,
+                                             weights_only=True))
+    rng_file = path / f"rng-rank{accelerator.process_index}.safetensors"
+    if rng_file.is_file():
+        restore_rng(load_file(str(rng_file)), generator)
+    return state

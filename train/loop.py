@@ -1,0 +1,303 @@
+"""The training loop (DESIGN §2.4): accelerate-wrapped head, frozen target, bf16 autocast,
+AdamW with a cosine schedule and warmup, gradient accumulation and clipping, periodic
+evaluation, full-state checkpoints with automatic resume, and logging.
+
+`accelerate launch -m eyas.train --recipe R` runs it on any number of processes; only the
+head (inside `HeadWithLoss`) is handed to accelerate, the target stays frozen and
+unwrapped on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from eyas.train.algorithms import loss_function
+from eyas.train.batching import BatchStream, DataPosition, offline_stream, online_stream
+from eyas.train.build import FrozenOutput, HeadWithLoss, build_trainable_head, frozen_output, head_config_for
+from eyas.train.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint, uses_engine_state
+from eyas.train.losses import target_labels
+from eyas.train.metrics import AccuracyMeter, make_logger
+
+log = logging.getLogger(__name__)
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (e.g. repeated non-finite losses); a checkpoint was saved."""
+
+
+def cosine_with_warmup(warmup_steps: int, total_steps: int, min_ratio: float = 0.0):
+    """LR multiplier of optimizer step s: linear warmup over `warmup_steps`, then a cosine
+    decay to `min_ratio` at `total_steps`."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / max(1, warmup_steps)
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _to_device(batch: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+class FeatureSource:
+    """Adds aux / last to a batch: already there (offline cache) or computed by the frozen
+    target (online)."""
+
+    def __init__(self, target_model, aux_layer_ids: list[int], output: FrozenOutput, head):
+        self.target_model = target_model
+        self.aux_layer_ids = aux_layer_ids
+        self.output = output
+        self.draft_ids = head.draft_token_ids()
+        self.t2d = head.t2d if head.config.uses_vocab_map else None
+
+    @torch.no_grad()
+    def complete(self, batch: dict):
+        """batch -> (batch with aux/last, TargetLabels)."""
+        if "aux" not in batch:
+            from eyas.data.targets import compute_features
+
+            batch["aux"], batch["last"] = compute_features(self.target_model, batch["input_ids"],
+                                                           batch["attention_mask"], self.aux_layer_ids)
+        labels = target_labels(batch["last"], self.output.norm, self.output.lm_head_weight, self.draft_ids, self.t2d,
+                               batch["loss_mask"], batch["attention_mask"])
+        return batch, labels
+
+
+def _open_data(recipe, head_cfg, split: str):
+    """The sample source of a split: the feature cache (offline) or the prepared dataset."""
+    paths = recipe.paths
+    if recipe.data.features == "offline":
+        from eyas.data.cache import FeatureCache, resolve_split_dir
+
+        split_dir = resolve_split_dir(paths.cache, split)
+        if split != "train" and not (split_dir / "manifest.json").is_file():
+            return None
+        cache = FeatureCache(paths.cache, split)
+        if cache.aux_layer_ids != list(head_cfg.aux_layer_ids) or cache.hidden_size != head_cfg.target_hidden_size:
+            raise ValueError(f"{cache.dir}: cached aux layers {cache.aux_layer_ids} / hidden {cache.hidden_size} do "
+                             f"not match the head's {head_cfg.aux_layer_ids} / {head_cfg.target_hidden_size}; "
+                             "recapture or set data.aux_layer_ids")
+        return cache
+    from eyas.data.prepare import load_prepared
+
+    dd = load_prepared(paths.prepared)
+    if split not in dd or len(dd[split]) == 0:
+        if split == "train":
+            raise ValueError(f"{paths.prepared}: no train split; run `eyas prepare`")
+        return None
+    return dd[split]
+
+
+def _stream(recipe, source, rank, world, position=None, pad_id=0) -> BatchStream:
+    if recipe.data.features == "offline":
+        return offline_stream(source, recipe.train, rank, world, position, pad_id)
+    return online_stream(source, recipe.train, rank, world, position, pad_id)
+
+
+def evaluate(accelerator, model, features: FeatureSource, recipe, source, pad_id=0) -> dict:
+    """Per-step accuracy, loss and simulated acceptance length on the held-out split,
+    summed over ranks."""
+    cfg = recipe.train
+    world, rank = accelerator.num_processes, accelerator.process_index
+    stream = _stream(recipe, source, rank, world, pad_id=pad_id)
+    stream.multiple_of = world
+    try:
+        n = stream.batches_per_epoch() // world
+    except ValueError:
+        return {}
+    if cfg.eval_batches is not None:
+        n = min(n, cfg.eval_batches)
+    meter = AccuracyMeter()
+    model.eval()
+    with torch.no_grad():
+        for _ in range(n):
+            batch, labels = features.complete(_to_device(next(stream), accelerator.device))
+            with accelerator.autocast():
+                meter.add(model(batch, labels, None))
+    model.train()
+    if world > 1 and meter.hits:
+        counts = torch.tensor([meter.hits, meter.counts], dtype=torch.long, device=accelerator.device)
+        counts = accelerator.reduce(counts, reduction="sum").tolist()
+        meter.merge_counts(counts[0], counts[1])
+    return meter.summary("eval/") if meter.batches else {}
+
+
+def train(recipe, target=None, progress: bool = True) -> dict:
+    """Train the head a recipe describes; resumes from the newest checkpoint under
+    `run_dir/checkpoints` (unless train.resume is false). Returns a summary dict with the
+    final step, the final head directory and the last train/eval metrics.
+
+    `target`: an already loaded `eyas.data.targets.Target` (tests, notebooks); otherwise
+    loaded from `recipe.target` on this process's device.
+    """
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    from eyas.data.prepare import load_token_frequencies
+    from eyas.data.targets import load_target
+    from eyas.heads.io import save_head
+    from eyas.heads.peagle import build_head
+    from eyas.recipe import dump_recipe
+
+    cfg = recipe.train
+    if cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum)
+    device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
+    paths = recipe.paths
+    ckpt_root = paths.checkpoints
+    if accelerator.is_main_process:
+        paths.root.mkdir(parents=True, exist_ok=True)
+        (paths.root / "recipe.yaml").write_text(dump_recipe(recipe))
+
+    torch.manual_seed(cfg.seed)
+    if target is None:
+        t = recipe.target
+        target = load_target(t.name_or_path, t.dtype, str(device), t.attn_implementation, t.trust_remote_code,
+                             t.revision)
+    target.model.to(device)
+    pad_id = getattr(target.tokenizer, "pad_token_id", None) or 0
+    head_cfg = head_config_for(recipe, target.config, verifier=target.hub_id,
+                               pad_token_id=getattr(target.tokenizer, "pad_token_id", None))
+    freqs_path = paths.prepared / "token_freqs.safetensors"
+    freqs = load_token_frequencies(freqs_path) if freqs_path.is_file() else None
+    head = build_trainable_head(head_cfg, target.model, freqs).to(device)
+    features = FeatureSource(target.model, list(head_cfg.aux_layer_ids), frozen_output(target.model), head)
+
+    train_src = _open_data(recipe, head_cfg, "train")
+    eval_src = _open_data(recipe, head_cfg, "eval")
+    stream = _stream(recipe, train_src, rank, world, pad_id=pad_id)
+    steps_per_epoch = max(1, stream.batches_per_epoch() // (world * cfg.grad_accum))
+    total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+
+    model = HeadWithLoss(head, loss_function(head_cfg.algorithm), cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    # The scheduler is stepped by hand once per optimizer step (accelerate would step it
+    # once per process).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg.warmup_steps, total))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if uses_engine_state(accelerator):
+        accelerator.register_for_checkpointing(scheduler)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + rank)
+
+    state = TrainerState(world_size=world)
+    latest = latest_checkpoint(ckpt_root) if cfg.resume else None
+    if latest is not None:
+        state = load_checkpoint(latest, accelerator, model, optimizer, generator)
+        if state.world_size != world:
+            log.warning("%s was written by %d processes, resuming with %d: the data order changes",
+                        latest, state.world_size, world)
+        if not uses_engine_state(accelerator):
+            scheduler.load_state_dict(state.scheduler)
+        stream.position = DataPosition(state.epoch, state.batches)
+        if accelerator.is_main_process:
+            log.info("resumed from %s (step %d)", latest, state.step)
+
+    logger = make_logger(cfg.logger, paths.root, recipe.name, recipe.model_dump(mode="json")) \
+        if accelerator.is_main_process else make_logger("none", paths.root)
+
+    def checkpoint() -> Path:
+        state.epoch, state.batches = stream.position.epoch, stream.position.batches
+        state.scheduler = scheduler.state_dict()
+        state.world_size = world
+        return save_checkpoint(ckpt_root, accelerator, model, optimizer, state, generator, cfg.keep_checkpoints)
+
+    meter = AccuracyMeter()
+    last_train, last_eval = {}, {}
+    bar = tqdm(total=total, initial=state.step, desc="train", unit="step",
+               disable=not (progress and accelerator.is_main_process))
+    t_window, tokens_window = time.perf_counter(), 0
+    saved_at = state.step if latest is not None else -1
+    model.train()
+    try:
+        while state.step < total:
+            bad = False
+            for _ in range(cfg.grad_accum):
+                batch, labels = features.complete(_to_device(next(stream), device))
+                with accelerator.accumulate(model):
+                    with accelerator.autocast():
+                        stats = model(batch, labels, generator)
+                    nonfinite = (~torch.isfinite(stats.loss.detach())).float()
+                    if world > 1:
+                        nonfinite = accelerator.reduce(nonfinite, reduction="sum")
+                    if nonfinite.item() > 0:
+                        bad = True
+                        # every rank still runs a backward so gradient sync stays in step
+                        loss = sum(p.sum() for p in params) * 0.0
+                    else:
+                        loss = stats.loss
+                        meter.add(stats)
+                        tokens_window += stats.tokens
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        if cfg.max_grad_norm > 0 and not uses_engine_state(accelerator):
+                            norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
+                            if norm is not None and not torch.isfinite(norm):
+                                bad = True
+                        if not bad:
+                            optimizer.step()
+                        scheduler.step()
+                        optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            bar.update(1)
+            if bad:
+                state.nonfinite_total += 1
+                state.nonfinite_run += 1
+                logger.log({"train/nonfinite_steps": state.nonfinite_total}, state.step)
+                log.warning("step %d: non-finite loss or gradient, update skipped (%d in a row)", state.step,
+                            state.nonfinite_run)
+                if state.nonfinite_run > cfg.max_nonfinite_steps:
+                    where = checkpoint()
+                    raise TrainingStopped(
+                        f"{state.nonfinite_run} steps in a row had a non-finite loss or gradient (limit "
+                        f"train.max_nonfinite_steps={cfg.max_nonfinite_steps}); stopped at step {state.step} "
+                        f"with a checkpoint at {where}. Lower train.learning_rate or check the data/features.")
+            else:
+                state.nonfinite_run = 0
+            if state.step % cfg.log_every == 0 or state.step == total:
+                elapsed = time.perf_counter() - t_window
+                if meter.batches:
+                    last_train = meter.summary("train/")
+                    last_train["train/tokens_per_s"] = tokens_window * world / max(elapsed, 1e-9)
+                    last_train["train/lr"] = scheduler.get_last_lr()[0]
+                    logger.log(last_train, state.step)
+                    bar.set_postfix(loss=f"{last_train['train/loss']:.3f}",
+                                    acc=f"{last_train.get('train/acc_0', 0):.3f}",
+                                    tok_s=f"{last_train['train/tokens_per_s']:.0f}")
+                meter.reset()
+                t_window, tokens_window = time.perf_counter(), 0
+            if eval_src is not None and cfg.eval_every > 0 and (state.step % cfg.eval_every == 0 or state.step == total):
+                last_eval = evaluate(accelerator, model, features, recipe, eval_src, pad_id)
+                if last_eval:
+                    logger.log(last_eval, state.step)
+            if cfg.save_every > 0 and state.step % cfg.save_every == 0 and state.step < total:
+                checkpoint()
+                saved_at = state.step
+        if saved_at != state.step:
+            checkpoint()
+        final_dir = ckpt_root / "final"
+        if uses_engine_state(accelerator):
+            full = accelerator.get_state_dict(model)
+            if accelerator.is_main_process:
+                fresh = build_head(head_cfg)
+                fresh.load_state_dict({k[len("head."):]: v for k, v in full.items() if k.startswith("head.")},
+                                      strict=False)
+                save_head(fresh, final_dir)
+        elif accelerator.is_main_process:
+            save_head(accelerator.unwrap_model(model).head, final_dir)
+        accelerator.wait_for_everyone()
+    finally:
+        bar.close()
+        logger.close()
+    return {"step": state.step, "total_steps": total, "final_dir": str(ckpt_root / "final"), "train": last_train,
+            "eval": last_eval, "nonfinite_steps": state.nonfinite_total}
