@@ -1,0 +1,409 @@
+"""Write a head in the layouts vLLM serves (DESIGN §5) and read published heads back.
+
+Two layouts:
+- `speculators`: config.json with `speculators_model_type` / `transformer_layer_config` /
+  `speculators_config` (no top-level `model_type`) + model.safetensors (names without a
+  `model.` prefix). `vllm serve DIR` and `--speculative-config '{"model": DIR}'` read it.
+- `eagle`: the original EAGLE-3 layout: a flat llama config with
+  `architectures: ["LlamaForCausalLMEagle3"]` + model.safetensors; a one-layer head names
+  its layer `midlayer.*` (vLLM maps it to `layers.0.*`).
+
+Besides what vLLM reads, config.json carries an `eyas` block (target layer count, family,
+whether the embedding ships) so the validator can check aux ids against the target and an
+import rebuilds the exact `DraftHeadConfig`; vLLM ignores unknown top-level keys.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyas.heads.config import DraftHeadConfig
+from eyas.heads.eagle3 import Eagle3Head
+from eyas.heads.io import CONFIG_NAME as EYAS_CONFIG, WEIGHTS_NAME as EYAS_WEIGHTS, head_state_dict, load_head
+from eyas.heads.peagle import build_head
+
+ExportFormat = Literal["speculators", "eagle"]
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+SPECULATORS_VERSION = "0.3.0"
+SPECULATORS_ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}
+EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle3"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class ExportFormatError(ValueError):
+    """A directory that is not a head in a known layout; the message names the file."""
+
+
+# --- config ---------------------------------------------------------------------------
+
+
+def transformer_layer_config(cfg: DraftHeadConfig) -> dict:
+    """The head as a complete llama config (`vocab_size` = the target's vocabulary).
+
+    `num_aux_hidden_states` is written because vLLM's Eagle3 model takes the fc width from
+    it (or from `eagle_config`) and otherwise assumes 3 aux layers."""
+    layer = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "num_aux_hidden_states": cfg.num_aux,
+    }
+    if cfg.algorithm == "peagle":
+        # vLLM's P-EAGLE updater copies neither option from the top level.
+        for key in ("fc_norm", "norm_output"):
+            if getattr(cfg, key):
+                layer[key] = True
+    return layer
+
+
+def _head_options(cfg: DraftHeadConfig) -> dict:
+    opts = {"norm_before_residual": cfg.norm_before_residual}
+    for key in ("norm_before_fc", "fc_norm", "norm_output"):
+        if getattr(cfg, key):
+            opts[key] = True
+    return opts
+
+
+def _eyas_block(cfg: DraftHeadConfig, ships_embedding: bool) -> dict:
+    return {
+        "target_num_layers": cfg.target_num_layers,
+        "target_model_type": cfg.target_model_type,
+        "embedding_included": ships_embedding,
+    }
+
+
+def speculators_config_dict(cfg: DraftHeadConfig, verifier: str | None = None, ships_embedding: bool = False) -> dict:
+    """config.json of the speculators layout (DESIGN §5)."""
+    verifier = verifier or cfg.verifier_name_or_path
+    if not verifier:
+        raise ValueError("the serving config needs the verifier's Hub id or path: pass --verifier")
+    out = {
+        "architectures": [SPECULATORS_ARCHITECTURES[cfg.algorithm]],
+        "speculators_model_type": cfg.algorithm,
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": transformer_layer_config(cfg),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        **_head_options(cfg),
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+    }
+    if cfg.algorithm == "peagle":
+        out["mask_token_id"] = cfg.mask_token_id
+        out["ptd_token_id"] = cfg.mask_token_id  # vLLM 0.16 reads only this name
+    out["speculators_config"] = {
+        "algorithm": cfg.algorithm,
+        "proposal_methods": [{
+            "proposal_type": "greedy",
+            "speculative_tokens": cfg.speculative_tokens,
+            "verifier_accept_k": 1,
+            "accept_tolerance": 0.0,
+        }],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": verifier, "architectures": list(cfg.target_architectures)},
+    }
+    out["eyas"] = _eyas_block(cfg, ships_embedding)
+    return out
+
+
+def eagle_config_dict(cfg: DraftHeadConfig, verifier: str | None = None, ships_embedding: bool = False) -> dict:
+    """config.json of the original EAGLE-3 layout (a flat llama config)."""
+    out = transformer_layer_config(cfg)
+    out["architectures"] = [EAGLE_ARCHITECTURE]
+    out.update({
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        **_head_options(cfg),
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+            "use_aux_hidden_state": True,
+            **({"norm_before_fc": True} if cfg.norm_before_fc else {}),
+        },
+    })
+    if cfg.algorithm == "peagle":
+        out.update(mask_token_id=cfg.mask_token_id, ptd_token_id=cfg.mask_token_id)
+    eyas = _eyas_block(cfg, ships_embedding)
+    eyas.update(algorithm=cfg.algorithm, speculative_tokens=cfg.speculative_tokens,
+                verifier_name_or_path=verifier or cfg.verifier_name_or_path,
+                target_architectures=list(cfg.target_architectures))
+    out["eyas"] = eyas
+    return out
+
+
+# --- tensors --------------------------------------------------------------------------
+
+
+def export_tensors(
+    cfg: DraftHeadConfig,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype | None = torch.bfloat16,
+    fmt: ExportFormat = "speculators",
+) -> dict[str, torch.Tensor]:
+    """Serving tensors from a head state dict: floats cast to `dtype` (None keeps them),
+    `d2t` int64, `t2d` bool; `d2t`/`t2d` dropped when Vd == Vt; `layers.0.` renamed
+    `midlayer.` for a one-layer head in the EAGLE layout."""
+    out = {}
+    for name, t in state.items():
+        if name in ("d2t", "t2d") and not cfg.uses_vocab_map:
+            continue
+        if name == "d2t":
+            t = t.to(torch.int64)
+        elif name == "t2d":
+            t = t.to(torch.bool)
+        elif t.is_floating_point() and dtype is not None:
+            t = t.to(dtype)
+        if fmt == "eagle" and cfg.num_hidden_layers == 1 and name.startswith("layers.0."):
+            name = "midlayer." + name[len("layers.0."):]
+        out[name] = t.detach().cpu().contiguous()
+    return out
+
+
+def write_export(
+    cfg: DraftHeadConfig,
+    state: dict[str, torch.Tensor],
+    out_dir: str | Path,
+    fmt: ExportFormat = "speculators",
+    dtype: torch.dtype | None = torch.bfloat16,
+    verifier: str | None = None,
+) -> Path:
+    """Write config.json + model.safetensors for a head given as (config, state dict).
+    `state` holds `embed_tokens.weight` only when the embedding ships (see DESIGN §5)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ships_embedding = "embed_tokens.weight" in state
+    if cfg.trains_embedding or cfg.hidden_size != cfg.target_hidden_size:
+        if not ships_embedding:
+            raise ValueError("this head's embedding must ship (P-EAGLE, or H != Ht) but the state has no embed_tokens.weight")
+    make = speculators_config_dict if fmt == "speculators" else eagle_config_dict
+    config = make(cfg, verifier, ships_embedding)
+    tensors = export_tensors(cfg, state, dtype, fmt)
+    tmp = out / (WEIGHTS_NAME + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt", "producer": "eyas"})
+    tmp.replace(out / WEIGHTS_NAME)
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def export_head(
+    head: Eagle3Head,
+    out_dir: str | Path,
+    fmt: ExportFormat = "speculators",
+    dtype: torch.dtype | None = torch.bfloat16,
+    verifier: str | None = None,
+) -> Path:
+    """Export a head module. A head imported with its embedding (`load_exported_head`
+    sets `head.embedding_in_export`) ships it again, so import → export is lossless."""
+    state = head_state_dict(head)
+    if getattr(head, "embedding_in_export", False):
+        state["embed_tokens.weight"] = head.embed_tokens.weight.detach()
+    return write_export(head.config, state, out_dir, fmt, dtype, verifier)
+
+
+def export_checkpoint(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    fmt: ExportFormat = "speculators",
+    dtype: torch.dtype | None = torch.bfloat16,
+    verifier: str | None = None,
+) -> Path:
+    """Export an eyas checkpoint (head_config.json + head.safetensors) without needing the
+    target: a frozen embedding is not part of the serving files."""
+    ckpt = Path(checkpoint_dir)
+    for name in (EYAS_CONFIG, EYAS_WEIGHTS):
+        if not (ckpt / name).is_file():
+            raise ExportFormatError(f"not an eyas checkpoint: {ckpt / name} is missing")
+    cfg = DraftHeadConfig.load(ckpt / EYAS_CONFIG)
+    state = load_file(str(ckpt / EYAS_WEIGHTS))
+    return write_export(cfg, state, out_dir, fmt, dtype, verifier)
+
+
+def serve_command(out_dir: str | Path, cfg: DraftHeadConfig) -> str:
+    """The `vllm serve` line for this head (DESIGN §5)."""
+    spec = {"method": "eagle3", "model": str(out_dir), "num_speculative_tokens": cfg.speculative_tokens}
+    if cfg.algorithm == "peagle":
+        spec["parallel_drafting"] = True
+    target = cfg.verifier_name_or_path or "<target>"
+    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"
+
+
+# --- import ---------------------------------------------------------------------------
+
+
+def detect_format(head_dir: str | Path) -> Literal["eyas", "speculators", "eagle"]:
+    """Which layout a head directory holds."""
+    d = Path(head_dir)
+    if (d / EYAS_CONFIG).is_file():
+        return "eyas"
+    cfg_path = d / CONFIG_NAME
+    if not cfg_path.is_file():
+        raise ExportFormatError(f"{d}: no {EYAS_CONFIG} or {CONFIG_NAME}; not a head directory")
+    raw = read_config(cfg_path)
+    if raw.get("speculators_config") is not None or "speculators_model_type" in raw:
+        return "speculators"
+    if any("Eagle3" in a for a in raw.get("architectures") or []):
+        return "eagle"
+    raise ExportFormatError(f"{cfg_path}: neither a speculators config nor an EAGLE-3 config "
+                            f"(architectures {raw.get('architectures')})")
+
+
+def read_config(path: str | Path) -> dict:
+    try:
+        raw = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ExportFormatError(f"{path}: not valid JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise ExportFormatError(f"{path}: a config must be a JSON object")
+    return raw
+
+
+def read_tensors(head_dir: str | Path) -> dict[str, torch.Tensor]:
+    """model.safetensors (or a legacy pytorch_model.bin, read with weights_only)."""
+    d = Path(head_dir)
+    if (d / WEIGHTS_NAME).is_file():
+        return load_file(str(d / WEIGHTS_NAME))
+    legacy = d / "pytorch_model.bin"
+    if legacy.is_file():
+        return torch.load(legacy, map_location="cpu", weights_only=True)
+    raise ExportFormatError(f"{d}: no {WEIGHTS_NAME}")
+
+
+def _rope_theta(layer: dict) -> float:
+    params = layer.get("rope_parameters") or {}
+    return float(params.get("rope_theta", layer.get("rope_theta", 10000.0)))
+
+
+def config_from_export(raw: dict, fmt: Literal["speculators", "eagle"], tensors: dict | None = None) -> DraftHeadConfig:
+    """Rebuild a `DraftHeadConfig` from a serving config. Published heads lack the `eyas`
+    block: the target's layer count then defaults to the largest aux id + 1, and a
+    missing aux-id list (original EAGLE heads) is an error naming the file's keys."""
+    layer = raw["transformer_layer_config"] if fmt == "speculators" else raw
+    eyas = raw.get("eyas") or {}
+    eagle = raw.get("eagle_config") or {}
+    aux = raw.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
+    if not aux:
+        raise ExportFormatError("the config names no eagle_aux_hidden_state_layer_ids; the target layers "
+                                "feeding the head are unknown")
+    if fmt == "speculators":
+        spec = raw["speculators_config"]
+        algorithm = raw["speculators_model_type"]
+        k = spec["proposal_methods"][0]["speculative_tokens"]
+        verifier = spec["verifier"]
+        verifier_path, archs = verifier.get("name_or_path"), verifier.get("architectures")
+    else:
+        algorithm = eyas.get("algorithm", "peagle" if "mask_token_id" in raw else "eagle3")
+        k = eyas.get("speculative_tokens", 5)
+        verifier_path, archs = eyas.get("verifier_name_or_path"), eyas.get("target_architectures")
+    hidden = layer["hidden_size"]
+    heads = layer["num_attention_heads"]
+    vocab = layer["vocab_size"]
+    return DraftHeadConfig(
+        algorithm=algorithm,
+        hidden_size=hidden,
+        target_hidden_size=raw.get("target_hidden_size") or hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=layer.get("num_key_value_heads") or heads,
+        head_dim=layer.get("head_dim") or hidden // heads,
+        intermediate_size=layer["intermediate_size"],
+        num_hidden_layers=layer.get("num_hidden_layers", 1),
+        rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(layer),
+        max_position_embeddings=layer.get("max_position_embeddings", 4096),
+        vocab_size=vocab,
+        draft_vocab_size=raw.get("draft_vocab_size") or vocab,
+        aux_layer_ids=list(aux),
+        target_num_layers=eyas.get("target_num_layers", max(aux) + 1),
+        norm_before_residual=bool(raw.get("norm_before_residual", algorithm == "eagle3")),
+        norm_before_fc=bool(raw.get("norm_before_fc", eagle.get("norm_before_fc", False))),
+        fc_norm=bool(raw.get("fc_norm", layer.get("fc_norm", False))),
+        norm_output=bool(raw.get("norm_output", layer.get("norm_output", False))),
+        mask_token_id=raw.get("mask_token_id", raw.get("ptd_token_id")),
+        speculative_tokens=k,
+        target_model_type=eyas.get("target_model_type", "llama"),
+        target_architectures=list(archs or ["LlamaForCausalLM"]),
+        verifier_name_or_path=verifier_path,
+    )
+
+
+def _canonical_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in state.items():
+        if name.startswith("model."):  # some trainers save with the HF prefix
+            name = name[len("model."):]
+        if name.startswith("midlayer."):
+            name = "layers.0." + name[len("midlayer."):]
+        out[name] = t
+    return out
+
+
+def load_exported_head(
+    head_dir: str | Path,
+    target_embed: torch.Tensor | None = None,
+    device="cpu",
+    dtype: torch.dtype | None = None,
+) -> Eagle3Head:
+    """An `Eagle3Head` / `PEagleHead` from a speculators or EAGLE-format directory.
+
+    The head's floats take the stored dtype (or `dtype`). Without `embed_tokens.weight`
+    in the file, `target_embed` [Vt, Ht] fills the frozen embedding."""
+    fmt = detect_format(head_dir)
+    if fmt == "eyas":
+        raise ExportFormatError(f"{head_dir} is an eyas checkpoint; use load_any_head or heads.io.load_head")
+    raw = read_config(Path(head_dir) / CONFIG_NAME)
+    state = _canonical_names(read_tensors(head_dir))
+    try:
+        cfg = config_from_export(raw, fmt, state)
+    except (KeyError, ValueError) as err:
+        raise ExportFormatError(f"{Path(head_dir) / CONFIG_NAME}: cannot build the head config: {err}") from None
+    head = build_head(cfg)
+    float_dtype = dtype or (state["fc.weight"].dtype if "fc.weight" in state else torch.float32)
+    head.to(float_dtype)
+    has_embed = "embed_tokens.weight" in state
+    if not has_embed:
+        if head.trains_embedding:
+            raise ExportFormatError(f"{head_dir}: this head needs its own embed_tokens.weight and the file has none")
+        if target_embed is None:
+            raise ValueError(f"{head_dir}: the head shares the target's embedding; pass target_embed [Vt, Ht]")
+        state["embed_tokens.weight"] = target_embed.to(float_dtype)
+    if not cfg.uses_vocab_map:
+        state.pop("d2t", None)
+        state.pop("t2d", None)
+    state = {k: (v.to(float_dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ExportFormatError(f"{head_dir}: missing tensors {sorted(missing)}, unexpected tensors {sorted(unexpected)}")
+    head.embedding_in_export = has_embed
+    return head.to(device)
+
+
+def load_any_head(
+    head_dir: str | Path,
+    target_embed: torch.Tensor | None = None,
+    device="cpu",
+    dtype: torch.dtype | None = None,
+) -> Eagle3Head:
+    """Load an eyas checkpoint, a speculators export or an EAGLE-format export."""
+    if detect_format(head_dir) == "eyas":
+        head = load_head(head_dir, target_embed, device)
+        return head.to(dtype) if dtype is not None else head
+    return load_exported_head(head_dir, target_embed, device, dtype)
