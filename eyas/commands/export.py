@@ -1,15 +1,112 @@
-"""eyas export (not implemented yet)."""
+"""eyas export: write a trained head in the layout vLLM serves (DESIGN §5), validate it,
+and print the serving command.
+
+The checkpoint is an eyas head directory (head_config.json + head.safetensors), by
+default run_dir/checkpoints/final of the recipe; the output defaults to run_dir/export.
+Every export is validated; `--check DIR` validates an existing export (yours or a
+published one) and exits non-zero listing every problem.
+
+examples:
+  eyas export -r recipes/smollm2-135m-eagle3.yaml
+  eyas export --checkpoint runs/x/checkpoints/final --out heads/x --verifier HuggingFaceTB/SmolLM2-135M-Instruct
+  eyas export --checkpoint C --out D --format eagle --dtype float16
+  eyas export --check heads/x
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
 
-from eyas.commands._common import add_recipe_arguments, not_implemented
+from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_recipe_arguments(parser)
+    parser.add_argument("--checkpoint", "-c", help="eyas head dir (default: run_dir/checkpoints/final)")
+    parser.add_argument("--out", "-o", help="output directory (default: run_dir/export)")
+    parser.add_argument("--format", choices=("speculators", "eagle"), default=None,
+                        help="speculators (default; what vLLM reads natively) or the original EAGLE-3 layout")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                        help="dtype of the exported weights (d2t stays int64, t2d bool)")
+    parser.add_argument("--verifier", help="the target's Hub id written as verifier name_or_path "
+                        "(default: the one the head was trained with)")
+    parser.add_argument("--check", metavar="DIR", help="only validate an existing export and exit")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _check(head_dir: str, as_json: bool) -> int:
+    from eyas.heads.validate import validate_export
+
+    problems = validate_export(head_dir)
+    if as_json:
+        print(json.dumps({"dir": head_dir, "ok": not problems, "problems": problems}))
+    elif problems:
+        print(f"{head_dir}: {len(problems)} problem(s):", file=sys.stderr)
+        for p in problems:
+            print(f"  - {p}", file=sys.stderr)
+    else:
+        print(f"{head_dir}: OK (matches the serving contract)")
+    return 1 if problems else 0
+
+
+def _paths(args):
+    ckpt, out, fmt, verifier = args.checkpoint, args.out, args.format, args.verifier
+    if args.recipe or not (ckpt and out):
+        recipe = load_recipe_from_args(args)
+        ckpt = ckpt or str(recipe.paths.checkpoints / "final")
+        out = out or str(recipe.paths.export)
+        fmt = fmt or recipe.export.format
+        verifier = verifier or _recipe_verifier(recipe, ckpt)
+    return ckpt, out, fmt or "speculators", verifier
+
+
+def _recipe_verifier(recipe, ckpt) -> str | None:
+    """The recipe's target as a Hub id, used only when the head config names none."""
+    from eyas.data.targets import SMOLLM2_ALIAS, SMOLLM2_HUB_ID
+
+    cfg_path = Path(ckpt) / "head_config.json"
+    if cfg_path.is_file() and json.loads(cfg_path.read_text()).get("verifier_name_or_path"):
+        return None
+    name = recipe.target.name_or_path
+    return SMOLLM2_HUB_ID if name == SMOLLM2_ALIAS else name
 
 
 def run(args: argparse.Namespace) -> int:
-    return not_implemented("export")
+    if args.check:
+        return _check(args.check, args.json)
+    from eyas.heads.export import DTYPES, ExportFormatError, export_checkpoint, serve_command
+    from eyas.heads.hub import write_training_summary
+    from eyas.heads.validate import validate_export
+
+    ckpt, out, fmt, verifier = _paths(args)
+    try:
+        out_dir = export_checkpoint(ckpt, out, fmt=fmt, dtype=DTYPES[args.dtype], verifier=verifier)
+    except (ExportFormatError, ValueError, FileNotFoundError) as err:
+        print(f"eyas export: {err}", file=sys.stderr)
+        return 1
+    write_training_summary(ckpt, out_dir)
+    problems = validate_export(out_dir)
+    from eyas.heads.config import DraftHeadConfig
+
+    cfg = DraftHeadConfig.load(Path(ckpt) / "head_config.json")
+    if verifier:
+        cfg = cfg.model_copy(update={"verifier_name_or_path": verifier})
+    command = serve_command(out_dir.resolve(), cfg)
+    if args.json:
+        print(json.dumps({"dir": str(out_dir), "format": fmt, "ok": not problems, "problems": problems,
+                          "serve": command}))
+    else:
+        if problems:
+            print(f"eyas export: the export in {out_dir} breaks the serving contract:", file=sys.stderr)
+            for p in problems:
+                print(f"  - {p}", file=sys.stderr)
+        else:
+            print(f"exported {cfg.algorithm} head ({fmt}, {args.dtype}) to {out_dir}; validated")
+            print("serve it with:")
+            print(f"  {command}")
+            if fmt == "speculators":
+                print(f"  (or: vllm serve {out_dir.resolve()}  — the verifier comes from config.json)")
+    return 1 if problems else 0
