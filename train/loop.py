@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -131,6 +132,21 @@ def evaluate(accelerator, model, features: FeatureSource, recipe, source, pad_id
     return meter.summary("eval/") if meter.batches else {}
 
 
+def _fill_deepspeed_config(accelerator, cfg) -> None:
+    """Resolve the DeepSpeed JSON's "auto" fields from the recipe: no dataloader goes
+    through accelerate (batches are token-bucketed), so it cannot fill them itself."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    ds = plugin.deepspeed_config
+    if ds.get("gradient_clipping", "auto") == "auto":
+        ds["gradient_clipping"] = cfg.max_grad_norm
+    if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        ds["train_micro_batch_size_per_gpu"] = 1
+    ds["train_batch_size"] = ds["train_micro_batch_size_per_gpu"] * cfg.grad_accum * accelerator.num_processes
+    ds["gradient_accumulation_steps"] = cfg.grad_accum
+
+
 def train(recipe, target=None, progress: bool = True) -> dict:
     """Train the head a recipe describes; resumes from the newest checkpoint under
     `run_dir/checkpoints` (unless train.resume is false). Returns a summary dict with the
@@ -151,10 +167,25 @@ def train(recipe, target=None, progress: bool = True) -> dict:
     cfg = recipe.train
     if cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum)
+    # Without a GPU, torchrun-launched processes (`accelerate launch --multi_gpu`) only form a
+    # gloo process group when accelerate is told to use the CPU.
+    # DeepSpeed picks its own device (DS_ACCELERATOR=cpu on a CPU machine).
+    on_cpu = recipe.target.device == "cpu" or (recipe.target.device == "auto" and not torch.cuda.is_available())
+    on_cpu = on_cpu and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true"
+    if not on_cpu and not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+        # DeepSpeed on CPU (DS_ACCELERATOR=cpu): accelerate finds no backend by itself and
+        # would run every process as a world of one; gloo carries DeepSpeed's collectives.
+        from accelerate import PartialState
+
+        PartialState(backend="gloo")
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum,
+                              cpu=on_cpu)
     device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
     paths = recipe.paths
     ckpt_root = paths.checkpoints
+    if accelerator.is_main_process:
+        log.info("training on %d process(es), %s, device %s, mixed precision %s", world,
+                 accelerator.distributed_type.name, device, accelerator.mixed_precision)
     if accelerator.is_main_process:
         paths.root.mkdir(parents=True, exist_ok=True)
         (paths.root / "recipe.yaml").write_text(dump_recipe(recipe))
@@ -185,6 +216,7 @@ def train(recipe, target=None, progress: bool = True) -> dict:
     # The scheduler is stepped by hand once per optimizer step (accelerate would step it
     # once per process).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg.warmup_steps, total))
+    _fill_deepspeed_config(accelerator, cfg)
     model, optimizer = accelerator.prepare(model, optimizer)
     if uses_engine_state(accelerator):
         accelerator.register_for_checkpointing(scheduler)
@@ -299,5 +331,5 @@ def train(recipe, target=None, progress: bool = True) -> dict:
     finally:
         bar.close()
         logger.close()
-    return {"step": state.step, "total_steps": total, "final_dir": str(ckpt_root / "final"), "train": last_train,
+    return {"is_main_process": accelerator.is_main_process, "step": state.step, "total_steps": total, "final_dir": str(ckpt_root / "final"), "train": last_train,
             "eval": last_eval, "nonfinite_steps": state.nonfinite_total}

@@ -41,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"eyas train: {err}", file=sys.stderr)
         return 1
+    if not summary["is_main_process"]:
+        return 0
     if args.json:
         print(json.dumps(summary))
     else:
