@@ -50,6 +50,49 @@ class PEagleHead(Eagle3Head):
         return self.to_target_ids(flat), logits
 
 
+def choose_mask_token_id(tokenizer, vocab_size: int, explicit: int | None = None,
+                         token_freqs: torch.Tensor | None = None) -> int:
+    """The token id whose embedding row P-EAGLE trains as its mask slot, in this order:
+    `explicit` (the recipe's head.mask_token_id); the tokenizer's mask token; the first
+    embedding row past the tokenizer (an id no text produces); a token named "reserved";
+    an added token that is not one of the tokenizer's named special tokens (the rarest in
+    `token_freqs` [Vt] when given, else the highest id); the rarest id in `token_freqs`.
+    Raises ValueError when none applies: then the recipe must name one."""
+    def check(i: int, what: str) -> int:
+        if not 0 <= int(i) < vocab_size:
+            raise ValueError(f"{what} mask_token_id {i} lies outside the target vocabulary [0, {vocab_size})")
+        return int(i)
+
+    if explicit is not None:
+        return check(explicit, "head.mask_token_id:")
+    if tokenizer is not None and getattr(tokenizer, "mask_token_id", None) is not None:
+        if tokenizer.mask_token_id < vocab_size:
+            return int(tokenizer.mask_token_id)
+
+    def rarest(ids: list[int]) -> int:
+        if token_freqs is None:
+            return max(ids)
+        freqs = token_freqs[torch.tensor(ids, dtype=torch.long)].float()
+        low = freqs.min()
+        return max(i for i, f in zip(ids, freqs.tolist()) if f == low)
+
+    if tokenizer is not None:
+        if len(tokenizer) < vocab_size:
+            return len(tokenizer)
+        added = {tok: i for tok, i in tokenizer.get_added_vocab().items() if 0 <= i < vocab_size}
+        reserved = [i for tok, i in added.items() if "reserved" in tok.lower()]
+        if reserved:
+            return rarest(reserved) if token_freqs is not None else min(reserved)
+        named = set(getattr(tokenizer, "all_special_ids", []) or [])
+        spare = [i for i in added.values() if i not in named]
+        if spare:
+            return rarest(spare)
+    if token_freqs is not None:
+        return rarest(list(range(vocab_size)))
+    raise ValueError("cannot choose a P-EAGLE mask token: the tokenizer has no mask, unused or reserved token; "
+                     "set head.mask_token_id in the recipe")
+
+
 def build_head(config: DraftHeadConfig) -> Eagle3Head:
     """The head class for `config.algorithm`."""
     return PEagleHead(config) if config.algorithm == "peagle" else Eagle3Head(config)

@@ -32,3 +32,62 @@ def ttt_dense_mask(attention_mask: torch.Tensor, k: int) -> torch.Tensor:
     t = attention_mask.shape[1]
     diag = torch.eye(t, dtype=torch.bool, device=attention_mask.device)[None, None] & attention_mask.bool()[:, None, :, None]
     return torch.cat([base] + [diag] * k, dim=-1)
+
+
+# --- P-EAGLE (DESIGN §4) ------------------------------------------------------------
+# Elements are (anchor p, depth d) pairs flattened along one axis; `real` marks elements
+# that exist (not padding). One rule, `peagle_allow`, is behind the dense mask (SDPA) and
+# the flex-attention block mask (CUDA); `peagle_reference_mask` restates it entry by entry.
+
+
+def peagle_allow(anchor_q, depth_q, real_q, anchor_k, depth_k, real_k, same):
+    """The P-EAGLE attention rule on broadcastable tensors (True = q may attend to kv):
+    both real and ((depth_k = 0 and anchor_k <= anchor_q) or (anchor_k = anchor_q and
+    depth_k <= depth_q)). A padding query sees only itself (`same`: q and kv are the same
+    element) so that no softmax row is empty; such rows never carry loss."""
+    rule = ((depth_k == 0) & (anchor_k <= anchor_q)) | ((anchor_k == anchor_q) & (depth_k <= depth_q))
+    return (real_q & real_k & rule) | (~real_q & same)
+
+
+def peagle_reference_mask(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """anchor / depth / real [L] of one sample -> [L, L] bool, written entry by entry."""
+    n = anchor.shape[0]
+    a, d, r = anchor.tolist(), depth.tolist(), real.bool().tolist()
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for q in range(n):
+        for k in range(n):
+            if not r[q]:
+                mask[q, k] = q == k
+            elif r[k]:
+                mask[q, k] = (d[k] == 0 and a[k] <= a[q]) or (a[k] == a[q] and d[k] <= d[q])
+    return mask
+
+
+def peagle_dense_mask(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """anchor / depth / real [B, L] -> [B, 1, L, L] bool for SDPA."""
+    n = anchor.shape[1]
+    same = torch.eye(n, dtype=torch.bool, device=anchor.device)[None]
+    real = real.bool()
+    allow = peagle_allow(anchor[:, :, None], depth[:, :, None], real[:, :, None],
+                         anchor[:, None, :], depth[:, None, :], real[:, None, :], same)
+    return allow[:, None]
+
+
+def peagle_mask_mod(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor):
+    """A flex-attention mask_mod (b, h, q_idx, kv_idx) -> bool for elements [B, L]."""
+    real = real.bool()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return peagle_allow(anchor[b, q_idx], depth[b, q_idx], real[b, q_idx],
+                            anchor[b, kv_idx], depth[b, kv_idx], real[b, kv_idx], q_idx == kv_idx)
+
+    return mask_mod
+
+
+def peagle_block_mask(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor):
+    """anchor / depth / real [B, L] -> a flex-attention BlockMask (built once per batch
+    or segment; masked blocks are skipped on CUDA)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, n = anchor.shape
+    return create_block_mask(peagle_mask_mod(anchor, depth, real), b, None, n, n, device=anchor.device)

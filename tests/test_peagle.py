@@ -1,0 +1,168 @@
+"""P-EAGLE training against serving: the logits the trainer computes for a kept (anchor p,
+depth d) equal those of the one-pass drafting path started at p; segments give the
+unsegmented gradients; the mask-token choice; the loss overfits one batch of a tiny target."""
+
+import pytest
+import torch
+
+from eyas.heads.config import DraftHeadConfig
+from eyas.heads.peagle import PEagleHead, choose_mask_token_id
+from eyas.recipe import TrainSection
+from eyas.train.cod import cod_grid, compact, peagle_forward, peagle_loss
+from eyas.train.losses import TargetLabels
+from eyas.train.ttt import shift_left
+
+V, AUX = 50, 72
+
+
+def _cfg(**kw):
+    base = dict(algorithm="peagle", mask_token_id=V - 1, hidden_size=32, target_hidden_size=24, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=V, draft_vocab_size=V,
+                aux_layer_ids=[1, 2, 3], target_num_layers=4)
+    base.update(kw)
+    return DraftHeadConfig(**base)
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(num_hidden_layers=2, fc_norm=True), dict(num_hidden_layers=3, norm_before_fc=True)],
+                         ids=["1-layer", "2-layer-fc_norm", "3-layer-input_norm"])
+def test_train_serve_equality(opts):
+    torch.manual_seed(0)
+    head = PEagleHead(_cfg(**opts)).double()
+    b, t, depths = 2, 11, 4
+    ids = torch.randint(0, V - 1, (b, t))
+    am = torch.ones(b, t, dtype=torch.long)
+    am[1, 8:] = 0
+    aux = torch.randn(b, t, AUX, dtype=torch.double)
+    el = compact(cod_grid(am, depths, 0.7, 0.1, torch.Generator().manual_seed(5)), t)
+    train = peagle_forward(head, el, ids, aux)
+    nxt = shift_left(ids, 1, 0)
+    checked = 0
+    for i in range(b):
+        cache = head.new_cache()
+        for p in range(int(am[i].sum())):
+            # incremental serving: one committed step-0 entry per call, K = depths drafts
+            _, serve = head.draft(cache, nxt[i:i + 1, p:p + 1], aux[i:i + 1, p:p + 1], torch.tensor([[p]]), k=depths)
+            assert cache.length == p + 1
+            for j in (el.real[i] & (el.anchor[i] == p)).nonzero()[:, 0].tolist():
+                d = int(el.depth[i, j])
+                torch.testing.assert_close(train[i, j], serve[0, d], rtol=1e-10, atol=1e-10)
+                checked += 1
+    assert checked == int(el.real.sum()) and checked > int(am.sum())
+
+
+def _random_labels(attention_mask, vd, gen):
+    """Like `target_labels`: slot s counts only where token s+1 is real (and, here, at random)."""
+    b, t = attention_mask.shape
+    logits = torch.randn(b, t, vd, generator=gen) * 3
+    valid = torch.rand(b, t, generator=gen) > 0.2
+    valid[:, :-1] &= attention_mask[:, 1:].bool()
+    valid[:, -1] = False
+    return TargetLabels(logits=logits, argmax=logits.argmax(-1), valid=valid)
+
+
+def test_segments_give_the_unsegmented_loss_and_gradients():
+    torch.manual_seed(2)
+    head = PEagleHead(_cfg(num_hidden_layers=2)).double()
+    b, t = 2, 17
+    batch = {"input_ids": torch.randint(0, V - 1, (b, t)), "attention_mask": torch.ones(b, t, dtype=torch.long),
+             "aux": torch.randn(b, t, AUX, dtype=torch.double)}
+    batch["attention_mask"][0, 13:] = 0
+    labels = _random_labels(batch["attention_mask"], V, torch.Generator().manual_seed(0))
+    results = []
+    for seg in (None, 5):
+        cfg = TrainSection(num_depths=4, cod_r=0.8, cod_r_min=0.2, segment_length=seg)
+        head.zero_grad()
+        stats = peagle_loss(head, batch, labels, cfg, torch.Generator().manual_seed(9))
+        stats.loss.backward()
+        grads = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+        results.append((stats, grads))
+    (full, g_full), (seg, g_seg) = results
+    torch.testing.assert_close(full.loss.detach(), seg.loss.detach(), rtol=1e-9, atol=1e-12)
+    assert full.counts == seg.counts and full.hits == seg.hits and len(full.counts) == 4
+    assert full.counts[0] == int(labels.valid[:, 1:].sum())  # depth 0 at anchor p learns slot p + 1
+    assert g_full.keys() == g_seg.keys() and "mask_hidden" in g_full and "embed_tokens.weight" in g_full
+    for name in g_full:
+        # RMSNorm computes in float32 even in a float64 head; a prefix element's gradient
+        # arrives in pieces (one per segment), each rounded there: float32-level agreement
+        torch.testing.assert_close(g_full[name], g_seg[name], rtol=1e-6, atol=1e-8, msg=lambda m: f"{name}: {m}")
+
+
+class _Tok:
+    def __init__(self, n, added, special=(), mask=None):
+        self.n, self.added, self.all_special_ids, self.mask_token_id = n, added, list(special), mask
+
+    def __len__(self):
+        return self.n
+
+    def get_added_vocab(self):
+        return dict(self.added)
+
+
+def test_choose_mask_token_id_order():
+    full = _Tok(100, {"<s>": 0, "<|reserved_7|>": 97, "<|reserved_3|>": 93, "<x>": 5}, special=[0])
+    assert choose_mask_token_id(full, 100, explicit=4) == 4
+    with pytest.raises(ValueError, match="outside"):
+        choose_mask_token_id(full, 100, explicit=100)
+    assert choose_mask_token_id(_Tok(100, {}, mask=42), 100) == 42
+    assert choose_mask_token_id(_Tok(90, {}), 100) == 90  # first embedding row past the tokenizer
+    assert choose_mask_token_id(full, 100) == 93
+    no_reserved = _Tok(100, {"<s>": 0, "<a>": 5, "<b>": 6}, special=[0])
+    assert choose_mask_token_id(no_reserved, 100) == 6
+    freqs = torch.ones(100)
+    freqs[6] = 10
+    assert choose_mask_token_id(no_reserved, 100, token_freqs=freqs) == 5
+    freqs = torch.ones(100)
+    freqs[17] = 0
+    assert choose_mask_token_id(_Tok(100, {"<s>": 0}, special=[0]), 100, token_freqs=freqs) == 17
+    with pytest.raises(ValueError, match="mask_token_id"):
+        choose_mask_token_id(_Tok(100, {"<s>": 0}, special=[0]), 100)
+
+
+def test_choose_mask_token_id_on_the_tiny_tokenizer(tiny_tokenizer):
+    assert choose_mask_token_id(tiny_tokenizer, 320) == len(tiny_tokenizer)
+
+
+def test_peagle_loss_overfits_one_batch_of_a_tiny_target(tiny_llama_dir):
+    from eyas.data.targets import compute_features, default_aux_layer_ids, load_target, target_norm_and_lm_head, text_config
+    from eyas.heads.config import head_config_from_target
+    from eyas.train.losses import target_labels
+
+    target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    tcfg = text_config(target.config)
+    aux_ids = list(default_aux_layer_ids(tcfg.num_hidden_layers))
+    mask_id = choose_mask_token_id(target.tokenizer, tcfg.vocab_size)
+    cfg = head_config_from_target(tcfg, aux_layer_ids=aux_ids, draft_vocab_size=tcfg.vocab_size, algorithm="peagle",
+                                  num_hidden_layers=2, mask_token_id=mask_id)
+    torch.manual_seed(0)
+    head = PEagleHead(cfg)
+    norm, lm_head = target_norm_and_lm_head(target.model)
+    head.init_from_target(target.model.get_input_embeddings().weight, lm_head.weight, norm.weight)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 260, (2, 40), generator=gen)
+    am = torch.ones_like(ids)
+    aux, last = compute_features(target.model, ids, am, aux_ids)
+    labels = target_labels(last, norm, lm_head.weight, head.draft_token_ids(), None, am, am)
+    # The tiny random target is nearly flat (top probability ~1.5%); a sharper copy
+    # (temperature 1/4) gives its argmax a margin a few hundred steps can learn.
+    labels.logits *= 4
+    batch = {"input_ids": ids, "attention_mask": am, "loss_mask": am, "aux": aux, "last": last}
+    train_cfg = TrainSection(num_depths=3, cod_r=0.8, cod_r_min=0.2)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # matrices this small only lose time to threading
+    try:
+        for _ in range(250):
+            stats = peagle_loss(head, batch, labels, train_cfg, gen)
+            opt.zero_grad()
+            stats.loss.backward()
+            opt.step()
+        # every element this time (r = r_min = 1)
+        with torch.no_grad():
+            stats = peagle_loss(head, batch, labels, TrainSection(num_depths=3, cod_r=1.0, cod_r_min=1.0), gen)
+    finally:
+        torch.set_num_threads(threads)
+    acc = [h / c for h, c in zip(stats.hits, stats.counts)]
+    # (p, d) learns slot p+d+1, valid for p+d+1 <= 38 (token 39 is the last): 38 - d per row
+    assert stats.counts == [2 * (38 - d) for d in range(3)]
+    assert acc[0] > 0.9, acc
+    assert acc[1] > 0.3, acc  # chance is ~1/320

@@ -1,0 +1,200 @@
+"""P-EAGLE training (DESIGN §4): COD sampling of (anchor, depth) elements, their inputs
+and labels, and the loss, optionally split into segments along the anchors.
+
+Interpretation of COD. The chain of anchor p is (p, 0), (p, 1), …, (p, d): depth d drafts
+the token at p + d + 2 from x_{p+1}, the features at p and d mask slots. In DESIGN §4 the
+"child" of an element at depth d-1 is the next *position* (p+d-1 → p+d), i.e. the element
+of the same anchor one depth deeper. So the kept set is prefix-closed per anchor:
+(p, d) is kept only if (p, d-1) is. With n real slots, (p, d) exists for p + d < n (its
+position is a real slot), so depth d has n - d candidates and keeps
+min(⌊(n - d) · max(r^d, r_min)⌋, children of depth d-1 that exist) of them, drawn
+uniformly without replacement from those children. Depth 0 keeps every real slot.
+
+Layout. Per sample, elements live on a grid of D·T cells (cell d·T + p = (p, d)); the kept
+cells are compacted in that order (depth-major, anchor-minor) and padded to the longest
+sample, so the first T entries of every sample are its step-0 slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from eyas.heads.peagle import PEagleHead
+from eyas.train.losses import TargetLabels
+from eyas.train.masks import peagle_block_mask, peagle_dense_mask
+from eyas.train.ttt import StepStats
+
+
+def cod_depth_counts(n_valid: int, num_depths: int, r: float, r_min: float) -> list[int]:
+    """The formula's count per depth: n_valid at depth 0, ⌊(n_valid - d)·max(r^d, r_min)⌋
+    after (before clamping to the children that exist)."""
+    counts = [n_valid]
+    for d in range(1, num_depths):
+        # the epsilon keeps 0.7 * 10 from flooring to 6 through rounding error
+        counts.append(max(0, math.floor((n_valid - d) * max(r**d, r_min) + 1e-9)))
+    return counts
+
+
+def cod_sample(n_valid: int, num_depths: int, r: float, r_min: float,
+               generator: Optional[torch.Generator] = None) -> list[torch.Tensor]:
+    """Kept anchors per depth for one sequence of n_valid real slots: a list of
+    num_depths sorted long tensors (depth 0 = arange(n_valid)); prefix-closed per anchor."""
+    device = generator.device if generator is not None else torch.device("cpu")
+    targets = cod_depth_counts(n_valid, num_depths, r, r_min)
+    kept = [torch.arange(n_valid, device=device)]
+    for d in range(1, num_depths):
+        children = kept[-1][kept[-1] + d < n_valid]
+        count = min(targets[d], children.numel())
+        pick = torch.randperm(children.numel(), generator=generator, device=device)[:count]
+        kept.append(children[pick].sort().values)
+    return [k.cpu() for k in kept]
+
+
+@dataclass
+class PEagleElements:
+    """Flattened training elements of a batch, padded to L: anchor / depth [B, L] long,
+    real [B, L] bool (False = padding; its anchor/depth are 0)."""
+
+    anchor: torch.Tensor
+    depth: torch.Tensor
+    real: torch.Tensor
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.anchor + self.depth
+
+    def attention_mask(self):
+        """The P-EAGLE rule as a flex BlockMask on CUDA, a dense [B, 1, L, L] elsewhere."""
+        if self.anchor.is_cuda:
+            return peagle_block_mask(self.anchor, self.depth, self.real)
+        return peagle_dense_mask(self.anchor, self.depth, self.real)
+
+
+def cod_grid(attention_mask: torch.Tensor, num_depths: int, r: float, r_min: float,
+             generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """attention_mask [B, T] (right padding) -> keep [B, D·T] bool, cell d·T + p = (p, d)."""
+    b, t = attention_mask.shape
+    lengths = attention_mask.bool().sum(1).tolist()
+    keep = torch.zeros(b, num_depths, t, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        if not bool(attention_mask[i, :n].bool().all()):
+            raise ValueError(f"P-EAGLE needs right-padded batches; attention_mask row {i} has a gap")
+        for d, anchors in enumerate(cod_sample(int(n), num_depths, r, r_min, generator)):
+            keep[i, d, anchors] = True
+    return keep.view(b, num_depths * t).to(attention_mask.device)
+
+
+def compact(keep: torch.Tensor, t: int) -> PEagleElements:
+    """keep [B, D·T] -> the kept cells of each sample in grid order, padded to the longest."""
+    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
+    length = max(int(keep.sum(1).max()), 1)
+    cells = order[:, :length]
+    real = torch.arange(length, device=keep.device)[None] < keep.sum(1, keepdim=True)
+    anchor = torch.where(real, cells % t, 0)
+    depth = torch.where(real, cells // t, 0)
+    return PEagleElements(anchor=anchor, depth=depth, real=real)
+
+
+def element_inputs(head: PEagleHead, elements: PEagleElements, input_ids: torch.Tensor, aux: torch.Tensor):
+    """Token ids [B, L] (x_{p+1} at depth 0, the mask id deeper) and hidden inputs
+    [B, L, H] (fc of the target features at p at depth 0, fc of `mask_hidden` deeper)."""
+    b, t = input_ids.shape
+    deep = elements.depth > 0
+    nxt = torch.cat([input_ids[:, 1:], input_ids.new_zeros(b, 1)], dim=1)
+    mask_ids, mask_aux = head.mask_slot_inputs(1, 1, input_ids.device)
+    tokens = torch.where(deep, mask_ids.view(1, 1), nxt.gather(1, elements.anchor))
+    span = int(elements.anchor.max()) + 1  # only slots some element reads
+    g = head.combine_aux(aux[:, :span])
+    g_mask = head.combine_aux(mask_aux)  # [1, 1, H]
+    idx = elements.anchor.clamp(max=span - 1)[..., None].expand(-1, -1, g.shape[-1])
+    hidden = torch.where(deep[..., None], g_mask.to(g.dtype), g.gather(1, idx))
+    return tokens, hidden
+
+
+def element_label_slots(elements: PEagleElements, labels: TargetLabels) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot [B, L], valid [B, L]): element (p, d) learns target slot p + d + 1."""
+    t = labels.valid.shape[1]
+    slot = elements.anchor + elements.depth + 1
+    inside = elements.real & (slot < t)
+    slot = slot.clamp(max=t - 1)
+    return slot, inside & labels.valid.gather(1, slot)
+
+
+def peagle_forward(head: PEagleHead, elements: PEagleElements, input_ids, aux) -> torch.Tensor:
+    """Logits [B, L, Vd] of every element, in one pass under the P-EAGLE mask."""
+    tokens, hidden = element_inputs(head, elements, input_ids, aux)
+    logits, _ = head.forward_step(tokens, hidden, elements.positions, head.new_cache(), elements.attention_mask())
+    return logits
+
+
+def segment_keeps(keep: torch.Tensor, t: int, num_depths: int, segment_length: Optional[int]):
+    """Split keep [B, D·T] into segments of `segment_length` anchors. Segment [a0, a1)
+    holds the depth-0 cells of anchors < a1 (the prefix its queries attend to) and the
+    deeper cells of anchors in [a0, a1); yields (cells, loss cells) pairs [B, D·T] where
+    loss cells are the ones whose loss the segment owns (anchors in [a0, a1))."""
+    anchors = torch.arange(t, device=keep.device).repeat(num_depths)[None]
+    depth0 = (torch.arange(num_depths * t, device=keep.device) < t)[None]
+    step = segment_length or t
+    last = int(keep[:, :t].sum(1).max()) if keep.numel() else 0
+    for a0 in range(0, max(last, 1), step):
+        a1 = a0 + step
+        own = keep & (anchors >= a0) & (anchors < a1)
+        yield keep & ((depth0 & (anchors < a1)) | own), own
+
+
+def peagle_loss(head: PEagleHead, batch: dict, labels: TargetLabels, train_cfg, generator: Optional[torch.Generator],
+                backward: Optional[Callable[[torch.Tensor], None]] = None) -> StepStats:
+    """COD-sampled P-EAGLE loss of a batch: the mean soft cross-entropy over every kept
+    element whose label slot is valid, with per-depth losses, hits and counts.
+
+    batch: input_ids / attention_mask [B, T], aux [B, T, n·Ht]; labels from
+    `target_labels`; train_cfg: num_depths, cod_r, cod_r_min, segment_length.
+    With more than one segment, every segment but the last is back-propagated here (via
+    `backward`, default `Tensor.backward`) and freed; the returned `loss` carries the last
+    segment's graph plus the earlier segments' values as a constant, so the caller runs
+    exactly one backward on `stats.loss` in every case and the summed gradients equal
+    those of the unsegmented loss.
+    """
+    input_ids, am, aux = batch["input_ids"], batch["attention_mask"], batch["aux"]
+    b, t = input_ids.shape
+    depths = train_cfg.num_depths
+    keep = cod_grid(am, depths, train_cfg.cod_r, train_cfg.cod_r_min, generator)
+    total = int(element_label_slots(compact(keep, t), labels)[1].sum())
+    loss_sum = torch.zeros(depths, dtype=torch.float64)
+    hits = torch.zeros(depths, dtype=torch.long)
+    counts = torch.zeros(depths, dtype=torch.long)
+    segments = list(segment_keeps(keep, t, depths, train_cfg.segment_length))
+    done = 0.0
+    loss = None
+    for i, (cells, own) in enumerate(segments):
+        elements = compact(cells, t)
+        owned = own.gather(1, elements.depth * t + elements.anchor) & elements.real
+        logits = peagle_forward(head, elements, input_ids, aux)
+        slot, valid = element_label_slots(elements, labels)
+        valid = valid & owned
+        bi, li = valid.nonzero(as_tuple=True)
+        if bi.numel() == 0:
+            seg_loss = logits.sum() * 0.0
+        else:
+            acc = torch.promote_types(logits.dtype, torch.float32)  # >= fp32 under bf16 autocast
+            q = torch.log_softmax(logits[bi, li].to(acc), dim=-1)
+            p = torch.softmax(labels.logits[bi, slot[bi, li]].to(acc), dim=-1)
+            ce = -(p * q).sum(-1)
+            seg_loss = ce.sum() / total
+            d = elements.depth[bi, li].cpu()
+            loss_sum.index_add_(0, d, ce.detach().double().cpu())
+            hit = (logits[bi, li].detach().argmax(-1) == labels.argmax[bi, slot[bi, li]]).long().cpu()
+            hits.index_add_(0, d, hit)
+            counts.index_add_(0, d, torch.ones_like(d))
+        if i + 1 < len(segments):
+            (backward or torch.Tensor.backward)(seg_loss)
+            done += float(seg_loss.detach())
+        else:
+            loss = seg_loss + done
+    per_depth = (loss_sum / counts.clamp(min=1)).tolist()
+    return StepStats(loss=loss, step_losses=per_depth, hits=hits.tolist(), counts=counts.tolist(),
+                     tokens=int(am.sum()))
