@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from eyas.heads.peagle import PEagleHead
 from eyas.train.losses import TargetLabels
@@ -146,55 +147,56 @@ def segment_keeps(keep: torch.Tensor, t: int, num_depths: int, segment_length: O
         yield keep & ((depth0 & (anchors < a1)) | own), own
 
 
-def peagle_loss(head: PEagleHead, batch: dict, labels: TargetLabels, train_cfg, generator: Optional[torch.Generator],
-                backward: Optional[Callable[[torch.Tensor], None]] = None) -> StepStats:
+def _segment_loss(head, elements: PEagleElements, bi, li, target_rows, input_ids, aux, total: int):
+    """The segment's share of the loss (sum of its per-element soft CE / total) plus, detached,
+    the per-element CE [N] and draft argmax [N] for elements (bi, li)."""
+    logits = peagle_forward(head, elements, input_ids, aux)
+    if bi.numel() == 0:
+        empty = logits.new_zeros(0)
+        return logits.sum() * 0.0, empty, empty.long()
+    rows = logits[bi, li]
+    acc = torch.promote_types(rows.dtype, torch.float32)  # >= fp32 under bf16 autocast
+    ce = -(torch.softmax(target_rows.to(acc), dim=-1) * torch.log_softmax(rows.to(acc), dim=-1)).sum(-1)
+    return ce.sum() / total, ce.detach(), rows.detach().argmax(-1)
+
+
+def peagle_loss(head: PEagleHead, batch: dict, labels: TargetLabels, train_cfg, generator: Optional[torch.Generator]) -> StepStats:
     """COD-sampled P-EAGLE loss of a batch: the mean soft cross-entropy over every kept
     element whose label slot is valid, with per-depth losses, hits and counts.
 
     batch: input_ids / attention_mask [B, T], aux [B, T, n·Ht]; labels from
-    `target_labels`; train_cfg: num_depths, cod_r, cod_r_min, segment_length.
-    With more than one segment, every segment but the last is back-propagated here (via
-    `backward`, default `Tensor.backward`) and freed; the returned `loss` carries the last
-    segment's graph plus the earlier segments' values as a constant, so the caller runs
-    exactly one backward on `stats.loss` in every case and the summed gradients equal
-    those of the unsegmented loss.
+    `target_labels`; train_cfg: num_depths, cod_r, cod_r_min, segment_length (anchors per
+    segment; None = one segment). The caller runs one backward on `stats.loss` as for any
+    algorithm. With several segments each one's forward runs under activation
+    checkpointing, so only one segment's activations are alive at a time (recomputed
+    during that backward); the loss and gradients equal the unsegmented ones.
     """
     input_ids, am, aux = batch["input_ids"], batch["attention_mask"], batch["aux"]
     b, t = input_ids.shape
     depths = train_cfg.num_depths
     keep = cod_grid(am, depths, train_cfg.cod_r, train_cfg.cod_r_min, generator)
-    total = int(element_label_slots(compact(keep, t), labels)[1].sum())
+    total = max(int(element_label_slots(compact(keep, t), labels)[1].sum()), 1)
+    segments = list(segment_keeps(keep, t, depths, train_cfg.segment_length))
     loss_sum = torch.zeros(depths, dtype=torch.float64)
     hits = torch.zeros(depths, dtype=torch.long)
     counts = torch.zeros(depths, dtype=torch.long)
-    segments = list(segment_keeps(keep, t, depths, train_cfg.segment_length))
-    done = 0.0
     loss = None
-    for i, (cells, own) in enumerate(segments):
+    for cells, own in segments:
         elements = compact(cells, t)
         owned = own.gather(1, elements.depth * t + elements.anchor) & elements.real
-        logits = peagle_forward(head, elements, input_ids, aux)
         slot, valid = element_label_slots(elements, labels)
-        valid = valid & owned
-        bi, li = valid.nonzero(as_tuple=True)
-        if bi.numel() == 0:
-            seg_loss = logits.sum() * 0.0
+        bi, li = (valid & owned).nonzero(as_tuple=True)
+        rows = slot[bi, li]
+        args = (head, elements, bi, li, labels.logits[bi, rows], input_ids, aux, total)
+        if len(segments) > 1:
+            seg_loss, ce, pred = checkpoint(_segment_loss, *args, use_reentrant=False)
         else:
-            acc = torch.promote_types(logits.dtype, torch.float32)  # >= fp32 under bf16 autocast
-            q = torch.log_softmax(logits[bi, li].to(acc), dim=-1)
-            p = torch.softmax(labels.logits[bi, slot[bi, li]].to(acc), dim=-1)
-            ce = -(p * q).sum(-1)
-            seg_loss = ce.sum() / total
-            d = elements.depth[bi, li].cpu()
-            loss_sum.index_add_(0, d, ce.detach().double().cpu())
-            hit = (logits[bi, li].detach().argmax(-1) == labels.argmax[bi, slot[bi, li]]).long().cpu()
-            hits.index_add_(0, d, hit)
-            counts.index_add_(0, d, torch.ones_like(d))
-        if i + 1 < len(segments):
-            (backward or torch.Tensor.backward)(seg_loss)
-            done += float(seg_loss.detach())
-        else:
-            loss = seg_loss + done
+            seg_loss, ce, pred = _segment_loss(*args)
+        loss = seg_loss if loss is None else loss + seg_loss
+        d = elements.depth[bi, li].cpu()
+        loss_sum.index_add_(0, d, ce.double().cpu())
+        hits.index_add_(0, d, (pred == labels.argmax[bi, rows]).long().cpu())
+        counts.index_add_(0, d, torch.ones_like(d))
     per_depth = (loss_sum / counts.clamp(min=1)).tolist()
     return StepStats(loss=loss, step_losses=per_depth, hits=hits.tolist(), counts=counts.tolist(),
                      tokens=int(am.sum()))
