@@ -352,6 +352,9 @@ def _canonical_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             name = name[len("model."):]
         if name.startswith("midlayer."):
             name = "layers.0." + name[len("midlayer."):]
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0] == "layers" and parts[1] != "0" and parts[2] == "hidden_norm":
+            continue  # built but unused by vLLM in layers >= 1; our layers have none
         out[name] = t
     return out
 

@@ -181,6 +181,8 @@ def _check_tensors(tensors: dict[str, torch.Tensor], f: dict, problems: list[str
     tensors = {_canonical(k): v for k, v in tensors.items()}
     shapes = expected_shapes(f)
     optional = {"embed_tokens.weight": (f["vt"], f["h"])}  # a shipped embedding when H == Ht
+    # vLLM builds hidden_norm in every layer and uses only layer 0's: published heads may ship them.
+    optional.update({f"layers.{i}.hidden_norm.weight": (f["h"],) for i in range(1, f["layers"])})
     for name in sorted(tensors):
         if name in shapes or name in optional:
             continue
