@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
 
@@ -32,6 +33,8 @@ def run(args: argparse.Namespace) -> int:
     from eyas.heads.hub import PushError, plan_push, push_head
     from eyas.heads.validate import validate_export
 
+    if args.dir and "=" in args.dir and not Path(args.dir).is_dir():  # an override, not DIR
+        args.overrides, args.dir = [args.dir, *args.overrides], None
     head_dir, repo_id, private = args.dir, args.repo_id, args.private
     if args.recipe or not (head_dir and repo_id):
         recipe = load_recipe_from_args(args)
