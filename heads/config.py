@@ -55,8 +55,10 @@ class DraftHeadConfig(BaseModel):
         ids = self.aux_layer_ids
         if not ids or any(b <= a for a, b in zip(ids, ids[1:])):
             raise ValueError(f"aux_layer_ids must be non-empty and strictly ascending, got {ids}")
-        if ids[0] < 0 or ids[-1] > self.target_num_layers:
-            raise ValueError(f"aux_layer_ids {ids} fall outside the target's {self.target_num_layers} layers")
+        # id i is the input of decoder layer i; id L (after the last layer) is pre-norm in
+        # vLLM but post-norm in HF, so it is refused rather than silently trained wrong.
+        if ids[0] < 0 or ids[-1] >= self.target_num_layers:
+            raise ValueError(f"aux_layer_ids {ids} must lie in 0..{self.target_num_layers - 1} (the target's layer inputs)")
         if self.fc_norm and self.norm_before_fc:
             raise ValueError("fc_norm and norm_before_fc exclude each other")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
