@@ -1,0 +1,97 @@
+"""Batching, schedule, metrics and the algorithm registry."""
+
+import pytest
+import torch
+
+from eyas.train.algorithms import eagle3_loss, loss_function
+from eyas.train.batching import BatchStream, DataPosition, collate, pack_group, plan_epoch
+from eyas.train.checkpoint import latest_checkpoint, list_checkpoints
+from eyas.train.loop import cosine_with_warmup
+from eyas.train.metrics import AccuracyMeter
+from eyas.train.ttt import StepStats
+
+
+def test_pack_group_fits_token_budget_and_batch_size():
+    lengths = [5, 50, 17, 33, 8, 8, 120, 64, 2, 40]
+    batches = pack_group(range(len(lengths)), lengths, batch_tokens=100, max_batch_size=3)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) <= 3
+        assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 100
+
+
+def _stream(position=None, rank=0, world=1):
+    lengths = [3 + (7 * i) % 29 for i in range(40)]
+    source = [{"input_ids": list(range(n)), "loss_mask": [1] * n} for n in lengths]
+    groups = [list(range(0, 20)), list(range(20, 40))]
+    return BatchStream(source, lengths, groups, batch_tokens=64, max_batch_size=4, seed=3, rank=rank, world=world,
+                       position=position)
+
+
+def test_plan_is_deterministic_per_seed_and_epoch():
+    lengths = [3 + (7 * i) % 29 for i in range(40)]
+    groups = [list(range(40))]
+    a = plan_epoch(lengths, groups, 64, 4, seed=1, epoch=0)
+    assert a == plan_epoch(lengths, groups, 64, 4, seed=1, epoch=0)
+    assert a != plan_epoch(lengths, groups, 64, 4, seed=1, epoch=1)
+    assert a != plan_epoch(lengths, groups, 64, 4, seed=2, epoch=0)
+
+
+def test_stream_resumes_from_position_across_epochs():
+    full = _stream()
+    n = full.batches_per_epoch()
+    seen = [next(full)["input_ids"] for _ in range(n + 5)]
+    resumed = _stream(DataPosition(epoch=0, batches=n - 2))
+    rest = [next(resumed)["input_ids"] for _ in range(7)]
+    for x, y in zip(seen[n - 2:], rest):
+        assert torch.equal(x, y)
+    assert resumed.position.epoch == 1
+
+
+def test_ranks_take_disjoint_batches():
+    r0, r1 = _stream(rank=0, world=2), _stream(rank=1, world=2)
+    assert r0.batches_per_epoch() % 2 == 0
+    a = [next(r0) for _ in range(3)]
+    b = [next(r1) for _ in range(3)]
+    assert all(not torch.equal(x["input_ids"], y["input_ids"]) or x["input_ids"].shape != y["input_ids"].shape
+               for x, y in zip(a, b))
+    assert r0.position == r1.position == DataPosition(0, 6)
+
+
+def test_collate_pads_right():
+    out = collate([{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "aux": torch.ones(3, 4)},
+                   {"input_ids": [4], "loss_mask": [1], "aux": torch.ones(1, 4)}], pad_id=9)
+    assert out["input_ids"].tolist() == [[1, 2, 3], [4, 9, 9]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert out["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert out["aux"][1, 1:].abs().sum() == 0
+
+
+def test_cosine_schedule_warms_up_then_decays_to_zero():
+    f = cosine_with_warmup(4, 20)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == pytest.approx(1.0) and f(12) == pytest.approx(0.5) and f(20) == pytest.approx(0.0)
+
+
+def test_meter_accept_length_from_per_step_accuracy():
+    m = AccuracyMeter()
+    m.add(StepStats(loss=torch.tensor(2.0), hits=[8, 4], counts=[10, 10], tokens=20))
+    m.add(StepStats(loss=torch.tensor(4.0), hits=[0, 2], counts=[0, 10], tokens=20))
+    s = m.summary("x/")
+    assert s["x/acc_0"] == 0.8 and s["x/acc_1"] == 0.3 and s["x/loss"] == 3.0
+    assert s["x/accept_len"] == pytest.approx(1 + 0.8 + 0.8 * 0.3)
+
+
+def test_registry():
+    assert loss_function("eagle3") is eagle3_loss
+    with pytest.raises(ValueError, match="unknown training algorithm 'nope'"):
+        loss_function("nope")
+
+
+def test_latest_checkpoint_ignores_incomplete(tmp_path):
+    (tmp_path / "step-00000002").mkdir()
+    (tmp_path / "step-00000002" / "state.json").write_text("{}")
+    (tmp_path / "step-00000004").mkdir()  # killed before state.json: incomplete
+    (tmp_path / ".tmp-step-00000006").mkdir()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2]
