@@ -166,3 +166,26 @@ def test_peagle_loss_overfits_one_batch_of_a_tiny_target(tiny_llama_dir):
     assert stats.counts == [2 * (38 - d) for d in range(3)]
     assert acc[0] > 0.9, acc
     assert acc[1] > 0.3, acc  # chance is ~1/320
+
+
+@pytest.mark.slow
+def test_flex_block_mask_gives_the_dense_mask_logits():
+    """The CUDA path (flex attention over the block mask) against SDPA with the dense mask;
+    run here on CPU, forward only (flex has no CPU backward)."""
+    from eyas.train.cod import element_inputs
+    from eyas.train.masks import peagle_block_mask, peagle_dense_mask
+
+    torch.manual_seed(0)
+    head = PEagleHead(_cfg(num_hidden_layers=2))
+    b, t = 2, 40
+    ids = torch.randint(0, V - 1, (b, t))
+    am = torch.ones(b, t, dtype=torch.long)
+    am[1, 30:] = 0
+    el = compact(cod_grid(am, 4, 0.7, 0.1, torch.Generator().manual_seed(1)), t)
+    with torch.no_grad():
+        tokens, hidden = element_inputs(head, el, ids, torch.randn(b, t, AUX))
+        dense, _ = head.forward_step(tokens, hidden, el.positions, head.new_cache(),
+                                     peagle_dense_mask(el.anchor, el.depth, el.real))
+        flex, _ = head.forward_step(tokens, hidden, el.positions, head.new_cache(),
+                                    peagle_block_mask(el.anchor, el.depth, el.real))
+    torch.testing.assert_close(flex[el.real], dense[el.real], rtol=1e-5, atol=1e-5)
