@@ -172,7 +172,7 @@ def peagle_loss(head: PEagleHead, batch: dict, labels: TargetLabels, train_cfg, 
     during that backward); the loss and gradients equal the unsegmented ones.
     """
     input_ids, am, aux = batch["input_ids"], batch["attention_mask"], batch["aux"]
-    b, t = input_ids.shape
+    t = input_ids.shape[1]
     depths = train_cfg.num_depths
     keep = cod_grid(am, depths, train_cfg.cod_r, train_cfg.cod_r_min, generator)
     total = max(int(element_label_slots(compact(keep, t), labels)[1].sum()), 1)
