@@ -1,0 +1,135 @@
+"""Benchmark the offline capture against the bare target forward on SmolLM2-135M.
+
+Prints one JSON object. Keys other tools read:
+  capture_tokens_per_s    the whole capture (features, bf16 copy, safetensors + sha256, atomic write)
+  forward_tokens_per_s    the base model forward alone on the same batches (no hooks, no LM head)
+  capture_over_forward    forward_tokens_per_s / capture_tokens_per_s (time ratio; goal <= 1.1)
+  bytes_per_token_bf16 / bytes_per_token_fp8
+Also: forward_with_logits_tokens_per_s (the CausalLM forward incl. the LM head), and the fp8
+cost: the relative error and cosine of the dequantized aux states, and the recomputed target
+distribution's KL / top-1 agreement. The fp8 option quantizes only the aux states; `last`
+(the input of the recomputed logits) stays bf16, so the recomputed distribution is exact
+(fp8_target_kl = 0); fp8_if_last_quantized_* shows what quantizing `last` too would cost.
+
+usage: python scripts/bench_capture.py [--samples 64] [--max-length 512] [--batch-tokens 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--max-length", type=int, default=512)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--target", default="smollm2-135m")
+    args = ap.parse_args()
+
+    from eyas.data.cache import FeatureCache, bytes_per_token, dequantize_fp8, quantize_fp8
+    from eyas.data.capture import _pad_batch, capture_split, plan_capture
+    from eyas.data.conversations import read_conversations
+    from eyas.data.targets import compute_features, default_aux_layer_ids, load_target, target_norm_and_lm_head
+    from eyas.data.templates import TemplateError, render_with_mask
+
+    target = load_target(args.target, dtype="bfloat16", device="cpu")
+    tok, model = target.tokenizer, target.model
+    convs, _ = read_conversations(["sharegpt"], max_samples=args.samples * 4)
+    ids, masks = [], []
+    for c in convs:
+        try:
+            r = render_with_mask(tok, c, "all", args.max_length)
+        except TemplateError:
+            continue
+        ids.append(r.input_ids)
+        masks.append(r.loss_mask)
+        if len(ids) == args.samples:
+            break
+    split = {"input_ids": ids, "loss_mask": masks}
+    aux_ids = list(default_aux_layer_ids(target.num_layers))
+    H = target.hidden_size
+    plan = plan_capture([len(x) for x in ids], args.batch_tokens, 1 << 40)
+    batches = [_pad_batch([ids[i] for i in b], tok.pad_token_id or 0) for s in plan.shards for b in s]
+    n_tokens = sum(len(x) for x in ids)
+    base = model.get_decoder()
+
+    def timed(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    def forward_only():
+        with torch.no_grad():
+            for x, m in batches:
+                base(input_ids=x, attention_mask=m, use_cache=False)
+
+    def forward_logits():
+        with torch.no_grad():
+            for x, m in batches:
+                model(input_ids=x, attention_mask=m, use_cache=False)
+
+    forward_only()  # warm-up (allocator, kernels)
+    # Interleave and keep the best of each, since a shared 2-core machine is noisy.
+    t_fwd, t_cap, t_logits = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(2):
+            t_fwd.append(timed(forward_only))
+            out = Path(tmp) / f"bf16-{rep}"
+            t_cap.append(timed(lambda: capture_split(model, split, out, aux_ids, "bf16", args.batch_tokens,
+                                                     262_144, tok.pad_token_id or 0, progress=False)))
+        t_logits.append(timed(forward_logits))
+        capture_split(model, split, Path(tmp) / "fp8", aux_ids, "fp8", args.batch_tokens, 262_144,
+                      tok.pad_token_id or 0, progress=False)
+        disk_bf16 = sum(f.stat().st_size for f in (Path(tmp) / "bf16-0").glob("*.safetensors"))
+        disk_fp8 = sum(f.stat().st_size for f in (Path(tmp) / "fp8").glob("*.safetensors"))
+        a, b = FeatureCache(Path(tmp) / "bf16-0"), FeatureCache(Path(tmp) / "fp8")
+        rel, cos = [], []
+        for i in range(min(len(a), 16)):
+            x, y = a[i]["aux"].float(), b[i]["aux"].float()
+            rel.append(((x - y).norm() / x.norm()).item())
+            cos.append(torch.nn.functional.cosine_similarity(x, y, dim=-1).mean().item())
+
+    # Recomputed target distribution: logits = lm_head(norm(last)); cost if `last` were fp8 too.
+    norm, lm_head = target_norm_and_lm_head(model)
+    x, m = batches[0]
+    _, last = compute_features(model, x, m, aux_ids)
+    last = last[m.bool()]
+    q, s = quantize_fp8(last, 1)
+    with torch.no_grad():
+        p = torch.log_softmax(lm_head(norm(last)).float(), -1)
+        pq = torch.log_softmax(lm_head(norm(dequantize_fp8(q, s))).float(), -1)
+    kl = torch.sum(p.exp() * (p - pq), -1).mean().item()
+    top1 = (p.argmax(-1) == pq.argmax(-1)).float().mean().item()
+
+    cap, fwd = min(t_cap), min(t_fwd)
+    result = {
+        "target": args.target, "threads": torch.get_num_threads(), "samples": len(ids), "tokens": n_tokens,
+        "batches": len(batches), "aux_layer_ids": aux_ids,
+        "capture_tokens_per_s": round(n_tokens / cap, 1),
+        "forward_tokens_per_s": round(n_tokens / fwd, 1),
+        "capture_over_forward": round(cap / fwd, 3),
+        "forward_with_logits_tokens_per_s": round(n_tokens / min(t_logits), 1),
+        "bytes_per_token_bf16": bytes_per_token(len(aux_ids), H, "bf16"),
+        "bytes_per_token_fp8": bytes_per_token(len(aux_ids), H, "fp8"),
+        "measured_disk_bytes_per_token_bf16": round(disk_bf16 / n_tokens, 1),
+        "measured_disk_bytes_per_token_fp8": round(disk_fp8 / n_tokens, 1),
+        "fp8_aux_relative_error": round(sum(rel) / len(rel), 5),
+        "fp8_aux_cosine": round(sum(cos) / len(cos), 6),
+        "fp8_target_kl": 0.0,
+        "fp8_if_last_quantized_kl": round(kl, 6),
+        "fp8_if_last_quantized_top1_agreement": round(top1, 5),
+    }
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
