@@ -45,6 +45,17 @@ def render_all(tokenizer, conversations, max_length: int, train_on: str, report:
     return ids, masks
 
 
+def keep_first_turns(conversation: list[dict], max_turns: int) -> list[dict]:
+    """The conversation up to and including its `max_turns`-th assistant turn."""
+    out, seen = [], 0
+    for message in conversation:
+        if seen >= max_turns:
+            break
+        out.append(message)
+        seen += message["role"] == "assistant"
+    return out
+
+
 def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Deterministic held-out split: a seeded shuffle; eval gets round(n * fraction) rows
     (at least one when the fraction is positive and n > 1)."""
@@ -83,6 +94,8 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
     out_dir.mkdir(parents=True, exist_ok=True)
     conversations, report = read_conversations(cfg.sources, cfg.format, cfg.max_samples)
     log.info("read: %s", report.summary())
+    if cfg.max_turns is not None:
+        conversations = [keep_first_turns(c, cfg.max_turns) for c in conversations]
     if cfg.regenerate.enabled:
         if target is None and cfg.regenerate.backend == "hf":
             t = recipe.target
@@ -98,6 +111,7 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
             backend=rg.backend, batch_size=rg.batch_size, max_new_tokens=rg.max_new_tokens,
             temperature=rg.temperature, top_p=rg.top_p, seed=rg.seed,
             vllm_model=resolve_target_path(recipe.target.name_or_path), progress=progress,
+            max_prompt_tokens=max(1, cfg.max_length - rg.max_new_tokens),
         )
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(recipe.target.name_or_path),

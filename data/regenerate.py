@@ -86,19 +86,25 @@ def regenerate(
     seed: int = 0,
     vllm_model: Optional[str] = None,
     progress: bool = True,
+    max_prompt_tokens: Optional[int] = None,
 ) -> list[list[dict]]:
     """Regenerate every assistant turn; returns the new conversations (in input order).
 
     Replies that come back empty (the target stopped at once) keep the turn out of the
     result by ending the conversation before it; a conversation left without any
-    assistant turn is dropped by the caller's renderer.
+    assistant turn is dropped by the caller's renderer. A turn whose prompt is longer
+    than `max_prompt_tokens` ends its conversation too: its sample could not fit the
+    training length, so generating it would be wasted work.
     """
     from tqdm.auto import tqdm
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = _done_records(out_path)
-    todo = [i for i in range(len(conversations)) if i not in done]
+    # Similar lengths share a batch, so left padding wastes little (order does not matter
+    # for resume: records are keyed by index).
+    todo = sorted((i for i in range(len(conversations)) if i not in done),
+                  key=lambda i: sum(len(m["content"]) for m in conversations[i][:2]))
     torch.manual_seed(seed)
     llm = None
     if backend == "vllm":
@@ -127,6 +133,13 @@ def regenerate(
                 if not need:
                     continue
                 prompts = [prompt_ids(tokenizer, histories[i]) for i in need]
+                if max_prompt_tokens is not None:
+                    fits = [len(p) <= max_prompt_tokens for p in prompts]
+                    alive.difference_update(i for i, ok in zip(need, fits) if not ok)
+                    need = [i for i, ok in zip(need, fits) if ok]
+                    prompts = [p for p, ok in zip(prompts, fits) if ok]
+                    if not need:
+                        continue
                 if llm is not None:
                     replies = generate_replies_vllm(llm, tokenizer, prompts, max_new_tokens, temperature, top_p, seed)
                 else:

@@ -49,6 +49,7 @@ class DataSection(_Section):
     max_samples: Optional[int] = None
     max_length: int = 2048
     train_on: Literal["all", "last"] = "all"  # which assistant turns carry loss
+    max_turns: Optional[int] = None  # keep at most this many assistant turns per conversation
     eval_fraction: float = 0.02
     regenerate: RegenerateSection = Field(default_factory=RegenerateSection)
     features: Literal["offline", "online"] = "offline"  # capture cache, or target on the fly
@@ -131,6 +132,8 @@ class EvalSection(_Section):
     temperature: float = 0.0
     max_prompts: Optional[int] = None
     baseline: Optional[Literal["ngram"]] = "ngram"
+    ngram_min: int = 5  # vLLM's prompt_lookup_min / _max defaults
+    ngram_max: int = 5
     seed: int = 0
 
 

@@ -91,3 +91,23 @@ def test_regeneration_turn_by_turn_and_resume(tiny_llama_dir, tmp_path):
     assert resumed == full
     records = [json.loads(line) for line in out.read_text().splitlines()]  # the cut line was removed
     assert sorted(r["index"] for r in records) == list(range(5))
+
+
+def test_max_turns_and_prompt_cap_limit_regeneration(tiny_llama_dir, tmp_path):
+    from eyas.data.prepare import keep_first_turns
+    from eyas.data.regenerate import regenerate
+    from eyas.data.targets import load_target
+
+    conv = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    assert keep_first_turns(conv, 1) == conv[:3]
+    assert keep_first_turns(conv, 5) == conv
+    target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    long_first = [{"role": "user", "content": "x" * 200}, {"role": "assistant", "content": "old"}]
+    short = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old"},
+             {"role": "user", "content": "y" * 200}, {"role": "assistant", "content": "old"}]
+    out = regenerate([long_first, short], target.tokenizer, tmp_path / "r.jsonl", model=target.model,
+                     batch_size=2, max_new_tokens=4, progress=False, max_prompt_tokens=100)
+    assert out[0] == []  # its only prompt is too long: nothing to train on
+    assert [m["role"] for m in out[1]] == ["user", "assistant"]  # stopped before the long second turn
+    assert out[1][1]["content"] != "old"
