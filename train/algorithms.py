@@ -12,14 +12,16 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from eyas.train.ttt import StepStats, ttt_loss
+from eyas.train.fastpath import ttt_loss_valid_rows
+from eyas.train.ttt import StepStats
 
 LossFn = Callable[..., StepStats]
 
 
 def eagle3_loss(head, batch: dict, labels, train_cfg, generator=None) -> StepStats:
-    """EAGLE-3 training-time test: `train_cfg.ttt_steps` unrolled steps, weights decay^k."""
-    return ttt_loss(head, batch, labels, train_cfg.ttt_steps, train_cfg.ttt_decay)
+    """EAGLE-3 training-time test: `train_cfg.ttt_steps` unrolled steps, weights decay^k
+    (`ttt_loss`, evaluated on the valid slots only)."""
+    return ttt_loss_valid_rows(head, batch, labels, train_cfg.ttt_steps, train_cfg.ttt_decay)
 
 
 _LAZY = {"peagle": ("eyas.train.cod", "peagle_loss")}

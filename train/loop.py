@@ -21,7 +21,7 @@ from eyas.train.algorithms import loss_function
 from eyas.train.batching import BatchStream, DataPosition, offline_stream, online_stream
 from eyas.train.build import FrozenOutput, HeadWithLoss, build_trainable_head, frozen_output, head_config_for
 from eyas.train.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint, uses_engine_state
-from eyas.train.losses import target_labels
+from eyas.train.fastpath import valid_row_labels
 from eyas.train.metrics import AccuracyMeter, make_logger
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class FeatureSource:
 
             batch["aux"], batch["last"] = compute_features(self.target_model, batch["input_ids"],
                                                            batch["attention_mask"], self.aux_layer_ids)
-        labels = target_labels(batch["last"], self.output.norm, self.output.lm_head_weight, self.draft_ids, self.t2d,
+        labels = valid_row_labels(batch["last"], self.output.norm, self.output.lm_head_weight, self.draft_ids, self.t2d,
                                batch["loss_mask"], batch["attention_mask"])
         return batch, labels
 

@@ -1,0 +1,150 @@
+"""Training throughput on SmolLM2-135M: offline (cached features) and online (target in the
+loop), against the target's forward-only rate on the same batches. Prints JSON.
+
+  python scripts/bench_train.py [--steps 5] [--ttt 3] [--draft-vocab 8192] [--seq 512]
+
+Keys: train_tokens_per_s {offline, online}, forward_tokens_per_s, flop_ratio {offline,
+online} (measured step time / the time the step's FLOPs take at the target-forward FLOP
+rate), peak_rss_mb, plus the settings. The reference work: offline, TTT 3, draft vocab
+8192, sequences of 512 ShareGPT tokens. Timings are noisy when other jobs share the CPU:
+the script prints the load average it saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+
+import torch
+
+
+def sharegpt_batches(tokenizer, n_batches: int, batch: int, seq: int):
+    """Rendered ShareGPT conversations cut to `seq` tokens, `batch` per micro-batch."""
+    from eyas.data.conversations import read_conversations
+    from eyas.data.templates import TemplateError, render_with_mask
+    from eyas.train.batching import collate
+
+    convs, _ = read_conversations(["sharegpt"], max_samples=n_batches * batch * 4)
+    samples = []
+    for c in convs:
+        try:
+            r = render_with_mask(tokenizer, c, "all", 1 << 16)
+        except TemplateError:
+            continue
+        if len(r.input_ids) >= seq and sum(r.loss_mask[:seq]) > seq // 4:
+            samples.append({"input_ids": r.input_ids[:seq], "loss_mask": r.loss_mask[:seq]})
+        if len(samples) == n_batches * batch:
+            break
+    return [collate(samples[i:i + batch]) for i in range(0, len(samples), batch)]
+
+
+def target_flops_per_token(model, seq: int) -> float:
+    """Forward FLOPs per token of the base model: 2 x non-embedding weights + causal attention."""
+    from eyas.data.targets import text_config
+
+    cfg = text_config(model.config)
+    base = model.get_decoder()
+    weights = sum(p.numel() for n, p in base.named_parameters() if "embed" not in n and p.dim() >= 2)
+    attn = 4 * cfg.num_hidden_layers * (seq / 2) * cfg.num_attention_heads * cfg.head_dim
+    return 2 * weights + attn
+
+
+def train_flops_per_token(head, seq: int, ttt: int, vt: int) -> float:
+    """Labels (full-vocabulary logits of the frozen LM head) + forward/backward of `ttt`
+    unrolled head steps (x3 for the backward)."""
+    c = head.config
+    layer = sum(p.numel() for p in head.layers.parameters() if p.dim() >= 2)
+    per_step = 2 * layer + 2 * c.hidden_size * c.draft_vocab_size
+    attn = sum(4 * (seq / 2 + k) * c.num_attention_heads * c.head_dim for k in range(ttt))
+    fc = 2 * c.fc_in_features * c.hidden_size
+    return 2 * c.target_hidden_size * vt + 3 * (fc + ttt * per_step + attn)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per mode (after one warm-up)")
+    ap.add_argument("--ttt", type=int, default=3)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--modes", default="offline,online")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from eyas.data.prepare import token_frequencies
+    from eyas.data.targets import load_target
+    from eyas.recipe import load_recipe
+    from eyas.train.algorithms import loss_function
+    from eyas.train.build import HeadWithLoss, build_trainable_head, frozen_output, head_config_for
+    from eyas.train.loop import FeatureSource
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    recipe = load_recipe(os.path.join(root, "recipes", "smollm2-135m-eagle3.yaml"),
+                         [f"train.ttt_steps={args.ttt}", f"head.draft_vocab_size={args.draft_vocab}"])
+    target = load_target("smollm2-135m", "bfloat16", "cpu")
+    batches = sharegpt_batches(target.tokenizer, args.steps + 1, args.batch, args.seq)
+    vt = target.vocab_size
+    freqs = token_frequencies([b.tolist() for x in batches for b in x["input_ids"]],
+                              [m.tolist() for x in batches for m in x["loss_mask"]], vt)
+    torch.manual_seed(0)
+    head = build_trainable_head(head_config_for(recipe, target.config), target.model, freqs)
+    features = FeatureSource(target.model, list(head.config.aux_layer_ids), frozen_output(target.model), head)
+    model = HeadWithLoss(head, loss_function("eagle3"), recipe.train)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    tokens = [int(b["attention_mask"].sum()) for b in batches]
+    timed_tokens = sum(tokens[1:])
+
+    from eyas.data.targets import compute_features
+
+    # the offline "cache": aux / last per batch, kept in memory
+    cached = [features.complete(dict(b))[0] for b in batches]
+    t_fwd = 0.0
+    for i, b in enumerate(batches):  # the pure target forward, without labels
+        t0 = time.perf_counter()
+        compute_features(target.model, b["input_ids"], b["attention_mask"], head.config.aux_layer_ids)
+        if i:
+            t_fwd += time.perf_counter() - t0
+    forward_tps = timed_tokens / t_fwd
+
+    def step(batch):
+        full, labels = features.complete(batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            stats = model(full, labels, None)
+        stats.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, recipe.train.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    result = {"settings": {"ttt_steps": args.ttt, "draft_vocab_size": args.draft_vocab, "seq": args.seq,
+                           "batch": args.batch, "timed_steps": args.steps, "threads": torch.get_num_threads(),
+                           "loadavg_before": os.getloadavg()[0]},
+              "train_tokens_per_s": {}, "forward_tokens_per_s": forward_tps, "flop_ratio": {}}
+    f_target = target_flops_per_token(target.model, args.seq)
+    f_train = train_flops_per_token(head, args.seq, args.ttt, vt)
+    for mode in [m for m in args.modes.split(",") if m]:
+        src = cached if mode == "offline" else batches
+        elapsed = 0.0
+        for i, b in enumerate(src):
+            b = dict(b) if mode == "offline" else {k: v for k, v in b.items()}
+            t0 = time.perf_counter()
+            step(b)
+            if i:
+                elapsed += time.perf_counter() - t0
+        result["train_tokens_per_s"][mode] = timed_tokens / elapsed
+        flops = f_train + (f_target if mode == "online" else 0.0)
+        predicted = flops * timed_tokens / (f_target * forward_tps)
+        result["flop_ratio"][mode] = elapsed / predicted
+    result["flops_per_token"] = {"target_forward": f_target, "train_step_offline": f_train}
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["settings"]["loadavg_after"] = os.getloadavg()[0]
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""The valid-slot hot path equals the reference labels and TTT loss (values, gradients,
+accuracy counts)."""
+
+import pytest
+import torch
+
+from eyas.heads.config import DraftHeadConfig
+from eyas.heads.eagle3 import Eagle3Head
+from eyas.heads.layers import RMSNorm
+from eyas.heads.vocab import build_vocab_map
+from eyas.train.fastpath import ttt_loss_valid_rows, valid_row_labels
+from eyas.train.losses import target_labels
+from eyas.train.ttt import ttt_loss
+
+
+def _setup(opts, vd):
+    torch.manual_seed(0)
+    vt, ht = 50, 24
+    cfg = DraftHeadConfig(hidden_size=32, target_hidden_size=ht, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, intermediate_size=64, vocab_size=vt, draft_vocab_size=vd, aux_layer_ids=[1, 2, 3],
+                          target_num_layers=4, **opts)
+    head = Eagle3Head(cfg).double()
+    if vd < vt:
+        vmap = build_vocab_map(torch.rand(vt), vd)
+        head.set_vocab_map(vmap.d2t, vmap.t2d)
+    b, t = 3, 9
+    ids = torch.randint(0, vt, (b, t))
+    am = torch.ones(b, t, dtype=torch.long)
+    am[1, 6:] = 0
+    am[2, 2:] = 0
+    lm = (torch.rand(b, t) > 0.3).long() * am
+    batch = {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "aux": torch.randn(b, t, 3 * ht, dtype=torch.double),
+             "last": torch.randn(b, t, ht, dtype=torch.double)}
+    norm = RMSNorm(ht).double()
+    w = torch.randn(vt, ht, dtype=torch.double)
+    t2d = head.t2d if cfg.uses_vocab_map else None
+    args = (batch["last"], norm, w, head.draft_token_ids(), t2d, lm, am)
+    return head, batch, args
+
+
+@pytest.mark.parametrize("vd", [50, 20])
+@pytest.mark.parametrize("opts", [dict(), dict(norm_output=True, fc_norm=True), dict(num_hidden_layers=2)],
+                         ids=["plain", "norm_output", "two_layers"])
+def test_fast_path_equals_reference(opts, vd):
+    head, batch, args = _setup(opts, vd)
+    ref_labels, fast_labels = target_labels(*args), valid_row_labels(*args)
+    assert torch.equal(ref_labels.valid, fast_labels.valid)
+    assert torch.equal(ref_labels.argmax[ref_labels.valid], fast_labels.argmax[fast_labels.valid])
+    torch.testing.assert_close(ref_labels.logits[ref_labels.valid], fast_labels.logits[fast_labels.valid])
+
+    ref = ttt_loss(head, batch, ref_labels, 4, 0.8)
+    g_ref = torch.autograd.grad(ref.loss, [p for p in head.parameters() if p.requires_grad])
+    fast = ttt_loss_valid_rows(head, batch, fast_labels, 4, 0.8)
+    g_fast = torch.autograd.grad(fast.loss, [p for p in head.parameters() if p.requires_grad])
+    torch.testing.assert_close(fast.loss, ref.loss)
+    assert fast.hits == ref.hits and fast.counts == ref.counts
+    for a, b in zip(g_ref, g_fast):
+        torch.testing.assert_close(a, b)
