@@ -37,8 +37,9 @@ def valid_row_labels(last_hidden: torch.Tensor, norm: nn.Module, lm_head_weight:
     for start in range(0, rows.numel(), chunk_tokens):
         r = rows[start:start + chunk_tokens]
         full = norm(flat[r].to(lm_head_weight.dtype)) @ lm_head_weight.T  # [n, Vt]
-        top = full.argmax(-1)
-        logits[r] = full[:, draft_ids].float()
+        # max(-1).indices is ~4x faster than argmax on bf16 CPU tensors
+        top = full.max(-1).indices
+        logits[r] = full.index_select(1, draft_ids).float()
         if t2d is None:
             argmax[r], valid[r] = top, True
         else:
@@ -66,8 +67,12 @@ def ttt_loss_valid_rows(head, batch: dict, labels: TargetLabels, steps: int, dec
     cache = head.new_cache()
     positions = torch.arange(t, device=input_ids.device)[None].expand(b, t)
     hid = head.combine_aux(batch["aux"])
-    lab_logits = labels.logits.reshape(b * t, -1)
     lab_argmax = labels.argmax.reshape(-1)
+    # The target's probabilities once per valid label slot (every step reads a subset).
+    label_rows = labels.valid.reshape(-1).nonzero().squeeze(1)
+    probs = torch.softmax(labels.logits.reshape(b * t, -1)[label_rows].float(), dim=-1)
+    slot_to_row = torch.full((b * t,), -1, dtype=torch.long, device=input_ids.device)
+    slot_to_row[label_rows] = torch.arange(label_rows.numel(), device=input_ids.device)
     stats = StepStats(loss=torch.zeros(()), tokens=int(am.sum()))
     total = None
     for k in range(steps):
@@ -79,7 +84,7 @@ def ttt_loss_valid_rows(head, batch: dict, labels: TargetLabels, steps: int, dec
         if rows.numel():
             logits = head.lm_head(normed.reshape(b * t, -1)[rows])
             logq = torch.log_softmax(logits.float(), dim=-1)
-            p = torch.softmax(lab_logits[src].float(), dim=-1)
+            p = probs[slot_to_row[src]]
             loss_k = -(p * logq).sum(-1).mean()
             hits = int((logits.detach().argmax(-1) == lab_argmax[src]).sum())
         else:
