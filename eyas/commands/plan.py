@@ -1,15 +1,106 @@
-"""eyas plan (not implemented yet)."""
+"""eyas plan: which K to serve, and the concurrency above which speculation stops paying.
+
+From the measured per-position acceptance (an `eyas eval` report, or --acceptance) and a
+roofline of the target on the chosen hardware, prints the expected speedup against
+concurrency for K = 1..max-k, the best K per concurrency, the break-even concurrency and
+the `--speculative-config` JSON for vLLM; writes a PNG. Every input and assumption is
+printed.
+
+  eyas plan --report runs/x/eval/eval_report.json --hardware H200 --target-params llama-3.1-8b
+  eyas plan --acceptance 0.8,0.75,0.7 --hardware B200 --target-params gpt-oss-20b --compare
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
 
-from eyas.commands._common import add_recipe_arguments, not_implemented
+from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from eyas.eval.planner import HARDWARE, TARGETS
+
     add_recipe_arguments(parser)
+    parser.add_argument("--report", help="eval_report.json from `eyas eval` (default: run_dir/eval/eval_report.json)")
+    parser.add_argument("--acceptance", help="per-position acceptance a_1,a_2,... instead of a report")
+    parser.add_argument("--hardware", default="H200", help=f"one of {', '.join(HARDWARE)}")
+    parser.add_argument("--target-params", required=True,
+                        help=f"one of {', '.join(TARGETS)}, or key=value sizes (total_params=8e9,num_layers=32,...)")
+    parser.add_argument("--algorithm", choices=["eagle3", "peagle"], help="default: the report's head")
+    parser.add_argument("--compare", action="store_true", help="plan EAGLE-3 (K chained passes) and P-EAGLE (one pass) side by side")
+    parser.add_argument("--head-layers", type=int, help="draft head layers (default: 1 for EAGLE-3, 4 for P-EAGLE)")
+    parser.add_argument("--draft-vocab", type=int, default=32000)
+    parser.add_argument("--context", type=int, default=2048, help="mean tokens in each sequence's KV cache")
+    parser.add_argument("--max-k", type=int, default=8)
+    parser.add_argument("--concurrency", help="comma list (default 1,2,4,...,512)")
+    parser.add_argument("--serve-concurrency", type=int, default=1, help="the concurrency the printed config is for")
+    parser.add_argument("--layer-latency-us", type=float, help="override the per-layer latency floor")
+    parser.add_argument("--pass-overhead-us", type=float, help="override the per-pass fixed overhead")
+    parser.add_argument("--out", help="PNG/JSON directory (default: run_dir/eval)")
+    parser.add_argument("--json", action="store_true")
+
+
+def _acceptance(args, recipe) -> tuple[list[float], str | None, str]:
+    if args.acceptance:
+        return [float(x) for x in args.acceptance.split(",")], None, "--acceptance"
+    path = Path(args.report) if args.report else recipe.paths.eval / "eval_report.json"
+    if not path.is_file():
+        raise SystemExit(f"eyas plan: no report at {path}; run `eyas eval` or pass --acceptance a1,a2,...")
+    report = json.loads(path.read_text())
+    head = report.get("drafters", {}).get("head")
+    if not head or not head.get("per_position_acceptance"):
+        raise SystemExit(f"eyas plan: {path} holds no head acceptance (was eval run without --head?)")
+    rates = [r for r in head["per_position_acceptance"] if r is not None]
+    return rates, report.get("algorithm"), str(path)
 
 
 def run(args: argparse.Namespace) -> int:
-    return not_implemented("plan")
+    from eyas.eval import planner as P
+
+    recipe = load_recipe_from_args(args)
+    rates, report_alg, source = _acceptance(args, recipe)
+    if args.hardware not in P.HARDWARE:
+        raise SystemExit(f"eyas plan: unknown hardware {args.hardware!r}; choose from {', '.join(P.HARDWARE)}")
+    hw = P.with_overrides(P.HARDWARE[args.hardware],
+                          layer_latency=args.layer_latency_us * 1e-6 if args.layer_latency_us is not None else None,
+                          pass_overhead=args.pass_overhead_us * 1e-6 if args.pass_overhead_us is not None else None)
+    try:
+        target = P.parse_target(args.target_params)
+    except ValueError as err:
+        raise SystemExit(f"eyas plan: {err}") from None
+    conc = [int(c) for c in args.concurrency.split(",")] if args.concurrency else list(P.CONCURRENCY)
+    algorithms = ["eagle3", "peagle"] if args.compare else [args.algorithm or report_alg or "eagle3"]
+    plans = {}
+    for alg in algorithms:
+        layers = args.head_layers if len(algorithms) == 1 else None
+        head = P.head_size(target, alg, layers, args.draft_vocab)
+        plans[alg] = P.plan(rates, hw, target, head, args.context, conc, args.max_k)
+    out = Path(args.out) if args.out else recipe.paths.eval
+    out.mkdir(parents=True, exist_ok=True)
+    P.plot_plans(plans, out / "plan.png")
+    (out / "plan.json").write_text(P.dumps(plans) + "\n")
+    serve_at = args.serve_concurrency if args.serve_concurrency in conc else conc[0]
+    model = str(recipe.paths.export)
+    configs = {alg: P.speculative_config(p, serve_at, model) for alg, p in plans.items()}
+    if args.json:
+        body = json.loads(P.dumps(plans))
+        print(json.dumps({"acceptance_source": source, "plans": body, "speculative_config": configs}, indent=2))
+        return 0
+    print(f"inputs: acceptance from {source}")
+    for alg, p in plans.items():
+        print(f"\n== {alg} ==")
+        for line in P.assumptions(p):
+            print("  " + line)
+        print(P.format_plan(p))
+        print(f"--speculative-config '{json.dumps(configs[alg])}'   (best K at concurrency {serve_at})")
+    if len(plans) == 2:
+        pe, e3 = plans["peagle"], plans["eagle3"]
+        ratio = ", ".join(f"{b}: {pe.speedup[b][pe.best_k[b]] / e3.speedup[b][e3.best_k[b]]:.2f}x" for b in conc)
+        same = ", ".join(f"{b}: {pe.speedup[b][args.max_k - 1] / e3.speedup[b][args.max_k - 1]:.2f}x" for b in conc)
+        print(f"\nP-EAGLE over EAGLE-3 (best K each, same acceptance): {ratio}")
+        print(f"P-EAGLE over EAGLE-3 at K={args.max_k - 1} (same acceptance): {same}")
+    print(f"wrote {out / 'plan.png'}, {out / 'plan.json'}", file=sys.stderr)
+    return 0

