@@ -88,7 +88,9 @@ def ttt_loss_valid_rows(head, batch: dict, labels: TargetLabels, steps: int, dec
             loss_k = -(p * logq).sum(-1).mean()
             hits = int((logits.detach().argmax(-1) == lab_argmax[src]).sum())
         else:
-            loss_k = normed.sum() * 0.0  # keeps a graph so every rank runs backward
+            # a zero that still reaches every parameter (the LM head included), so DDP sees
+            # each one used and every rank runs the same backward
+            loss_k = head.lm_head(normed.reshape(b * t, -1)[:1]).float().sum() * 0.0
             hits = 0
         total = decay**k * loss_k if total is None else total + decay**k * loss_k
         stats.step_losses.append(float(loss_k.detach()))
