@@ -129,7 +129,8 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
         return datasets.Dataset.from_dict({"input_ids": [ids[i] for i in idx], "loss_mask": [masks[i] for i in idx]},
                                           features=features)
 
-    dd = datasets.DatasetDict({"train": split(train_idx), "eval": split(eval_idx)})
+    # An empty split is left out: `datasets` cannot reload a zero-row Arrow split.
+    dd = datasets.DatasetDict({name: split(idx) for name, idx in (("train", train_idx), ("eval", eval_idx)) if idx})
     dd.save_to_disk(str(out_dir / "dataset"))
     vocab = max(len(tokenizer), max(max(r) for r in ids) + 1, _config_vocab_size(recipe))
     freqs = token_frequencies([ids[i] for i in train_idx], [masks[i] for i in train_idx], vocab)

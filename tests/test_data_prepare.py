@@ -111,3 +111,12 @@ def test_max_turns_and_prompt_cap_limit_regeneration(tiny_llama_dir, tmp_path):
     assert out[0] == []  # its only prompt is too long: nothing to train on
     assert [m["role"] for m in out[1]] == ["user", "assistant"]  # stopped before the long second turn
     assert out[1][1]["content"] != "old"
+
+
+def test_no_eval_split_when_eval_fraction_is_zero(tiny_llama_dir, tmp_path):
+    corpus = _write_corpus(tmp_path / "c.jsonl", n=6)
+    run = tmp_path / "run"
+    assert main(["prepare", "--no-progress", f"run_dir={run}", f"target.name_or_path={tiny_llama_dir}",
+                 f"data.sources=[{corpus}]", "data.max_length=300", "data.eval_fraction=0"]) == 0
+    dd = load_prepared(run / "prepared")
+    assert list(dd) == ["train"] and len(dd["train"]) == 5

@@ -12,7 +12,7 @@ from torch import nn
 from eyas.data.targets import default_aux_layer_ids, target_norm_and_lm_head, text_config
 from eyas.heads.config import DraftHeadConfig, head_config_from_target
 from eyas.heads.eagle3 import Eagle3Head
-from eyas.heads.peagle import build_head
+from eyas.heads.peagle import build_head, choose_mask_token_id
 from eyas.heads.vocab import build_vocab_map
 
 
@@ -35,12 +35,16 @@ def aux_layer_ids_for(recipe, target_config) -> list[int]:
     return list(ids) if ids else list(default_aux_layer_ids(text_config(target_config).num_hidden_layers))
 
 
-def head_config_for(recipe, target_config, verifier: str | None = None, pad_token_id: int | None = None) -> DraftHeadConfig:
-    """The head config of a recipe's `head` section over the target's HF config."""
+def head_config_for(recipe, target_config, verifier: str | None = None, tokenizer=None,
+                    token_freqs: torch.Tensor | None = None) -> DraftHeadConfig:
+    """The head config of a recipe's `head` section over the target's HF config. A P-EAGLE
+    head without an explicit mask id gets one from `choose_mask_token_id` (the tokenizer's
+    mask token, else an unused or reserved id; never pad/EOS, whose rows the target uses)."""
     h = recipe.head
     mask_id = h.mask_token_id
-    if h.algorithm == "peagle" and mask_id is None:
-        mask_id = pad_token_id  # a token the target never predicts in training text
+    if h.algorithm == "peagle":
+        mask_id = choose_mask_token_id(tokenizer, text_config(target_config).vocab_size, explicit=mask_id,
+                                       token_freqs=token_freqs)
     return head_config_from_target(
         text_config(target_config),
         aux_layer_ids=aux_layer_ids_for(recipe, target_config),

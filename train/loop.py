@@ -197,10 +197,10 @@ def train(recipe, target=None, progress: bool = True) -> dict:
                              t.revision)
     target.model.to(device)
     pad_id = getattr(target.tokenizer, "pad_token_id", None) or 0
-    head_cfg = head_config_for(recipe, target.config, verifier=target.hub_id,
-                               pad_token_id=getattr(target.tokenizer, "pad_token_id", None))
     freqs_path = paths.prepared / "token_freqs.safetensors"
     freqs = load_token_frequencies(freqs_path) if freqs_path.is_file() else None
+    head_cfg = head_config_for(recipe, target.config, verifier=target.hub_id, tokenizer=target.tokenizer,
+                               token_freqs=freqs)
     head = build_trainable_head(head_cfg, target.model, freqs).to(device)
     features = FeatureSource(target.model, list(head_cfg.aux_layer_ids), frozen_output(target.model), head)
 
