@@ -59,7 +59,7 @@ def bigram_target(tiny_llama_dir, beta=1.0, seed=0):
 
 
 @torch.no_grad()
-def copy_head(model, algorithm="eagle3", aux=(1, 4, 8), lm_scale=1.0):
+def copy_head(model, algorithm="eagle3", aux=(1, 4, 7), lm_scale=1.0):
     """A head that computes the target's own next-token logits from the token it is fed.
 
     Attention reads only the constant embedding block for queries and keys (scaled up,
@@ -104,11 +104,11 @@ def _prompts(n, length=24, seed=0):
 def test_greedy_speculative_equals_plain_greedy_random_heads(tiny_target_dir, algorithm):
     target = load_target(str(tiny_target_dir), dtype="float32", device="cpu")
     model = target.model
-    for seed in range(3):
+    for seed in range(2):
         head = random_head(model, algorithm, seed=seed)
-        for prompt in _prompts(2, length=30, seed=seed):
-            ref = greedy_decode(model, prompt, 40, {2})
-            spec = speculative_decode(model, prompt, HeadDrafter(head), 4, 40, {2})
+        for prompt in _prompts(1, length=30, seed=seed):
+            ref = greedy_decode(model, prompt, 24, {2})
+            spec = speculative_decode(model, prompt, HeadDrafter(head), 4, 24, {2})
             assert spec.tokens == ref.tokens
 
 
@@ -117,8 +117,8 @@ def test_greedy_lossless_with_acceptances_and_sliding_window(tiny_target_dir):
     the GPT-OSS sliding window (16), so cache rollback is exercised on every family."""
     target = load_target(str(tiny_target_dir), dtype="float32", device="cpu")
     prompt = (list(range(40, 52)) * 5)[:56]
-    ref = greedy_decode(target.model, prompt, 48, set())
-    spec = speculative_decode(target.model, prompt, NgramDrafter(1, 4), 5, 48, set())
+    ref = greedy_decode(target.model, prompt, 32, set())
+    spec = speculative_decode(target.model, prompt, NgramDrafter(1, 4), 5, 32, set())
     assert spec.tokens == ref.tokens
     assert spec.forwards <= ref.forwards
 
@@ -171,6 +171,7 @@ def test_rejection_sample_reproduces_the_target_distribution():
     assert abs(counts_accept / n - float(torch.minimum(p[0], q[0]).sum())) < 0.02
 
 
+@pytest.mark.slow  # 600 sampled generations; the rejection rule itself is tested fast above
 def test_sampled_speculative_decoding_matches_the_target_chain(tiny_llama_dir):
     """The bigram target makes generation a Markov chain, so the exact marginal of every
     generated token is known. A copy head with a flatter distribution (q != p, restricted
@@ -225,7 +226,8 @@ def test_eval_acceptance_agrees_with_teacher_forced_accuracy(tiny_llama_dir):
         tr = speculative_decode(model, prompt, HeadDrafter(head), k, new, set())
         traces.append(tr)
         seqs.append((prompt, tr.tokens))
-    measured = summarize(traces, k)["per_position_acceptance"]
+    summary = summarize(traces, k)
+    measured, reached = summary["per_position_acceptance"], summary["reached_per_position"]
     hits, counts = np.zeros(k), np.zeros(k)
     for prompt, gen in seqs:
         ids = torch.tensor([prompt + gen])
@@ -241,5 +243,6 @@ def test_eval_acceptance_agrees_with_teacher_forced_accuracy(tiny_llama_dir):
                 counts[step] += int(lab.valid.sum())
     predicted = hits / counts
     assert 0.4 < predicted[0] < 0.9  # a partly right head: the comparison means something
-    for a, b in zip(measured, predicted):
-        assert abs(a - b) < 0.06, (measured, predicted.tolist())
+    assert abs(measured[0] - predicted[0]) < 0.05, (measured, predicted.tolist())
+    for a, b, n in zip(measured, predicted, reached):  # later positions: within 3 binomial sigmas
+        assert abs(a - b) < max(0.05, 3 * math.sqrt(b * (1 - b) / n)), (measured, predicted.tolist(), reached)
