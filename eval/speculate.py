@@ -174,7 +174,9 @@ def speculative_decode(model, prompt: list[int], drafter, k: int, max_new_tokens
             last = bonus
             for i, tok in enumerate(new):
                 if tok in eos_ids:
+                    # an accepted draft token can be the EOS: stop there, as plain greedy does
                     generated = generated[: len(generated) - len(new) + i + 1]
+                    last = tok
                     break
     trace.tokens = generated[:max_new_tokens]
     trace.seconds = time.perf_counter() - start

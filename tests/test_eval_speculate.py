@@ -246,3 +246,36 @@ def test_eval_acceptance_agrees_with_teacher_forced_accuracy(tiny_llama_dir):
     assert abs(measured[0] - predicted[0]) < 0.05, (measured, predicted.tolist())
     for a, b, n in zip(measured, predicted, reached):  # later positions: within 3 binomial sigmas
         assert abs(a - b) < max(0.05, 3 * math.sqrt(b * (1 - b) / n)), (measured, predicted.tolist(), reached)
+
+
+def test_accepted_draft_eos_stops_like_plain_greedy(tiny_llama_dir):
+    """A drafter that proposes the target's own greedy continuation gets its EOS accepted
+    as a draft token (not as the bonus): decoding must stop there, as plain greedy does."""
+    import torch
+
+    from eyas.data.targets import load_target
+    from eyas.eval.speculate import greedy_decode, speculative_decode
+
+    target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    prompt = [5, 6, 7, 8]
+    plain = greedy_decode(target.model, prompt, 24, eos_ids=set()).tokens
+    # a token first seen at a draft slot: with full acceptance and k=3 each step commits
+    # plain[4j+1 .. 4j+4], the last of which is the bonus
+    stop = next(i for i in range(2, len(plain)) if plain[i] not in plain[:i] and i % 4 != 0)
+    eos = {plain[stop]}
+    expected = greedy_decode(target.model, prompt, 24, eos_ids=eos).tokens
+
+    class Oracle:
+        aux_layer_ids = ()
+
+        def start(self, prompt, first, aux=None):
+            self.pos = 1
+
+        def propose(self, k, temperature=0.0, generator=None):
+            return torch.tensor(plain[self.pos:self.pos + k]), None
+
+        def commit(self, new, aux=None):
+            self.pos += len(new)
+
+    out = speculative_decode(target.model, prompt, Oracle(), 3, 24, eos_ids=eos).tokens
+    assert out == expected == plain[:stop + 1]
