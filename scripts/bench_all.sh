@@ -8,19 +8,27 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/bench_all.json}
 PY=${EYAS_PYTHON:-.venv/bin/python}
-mkdir -p "$(dirname "$OUT")" runs/bench_logs
-parts=()
+LOGS=runs/bench_logs
+mkdir -p "$(dirname "$OUT")" "$LOGS"
 for bench in scripts/bench_*.py; do
   name=$(basename "$bench" .py)
   echo "running $name ..." >&2
-  if "$PY" "$bench" > "runs/bench_logs/$name.json" 2> "runs/bench_logs/$name.err"; then
-    parts+=("\"$name\": $(cat "runs/bench_logs/$name.json")")
-  else
-    rc=$?
-    err=$(tail -c 400 "runs/bench_logs/$name.err" | "$PY" -c 'import json,sys; print(json.dumps(sys.stdin.read()))')
-    parts+=("\"$name\": {\"error\": true, \"exit_code\": $rc, \"stderr_tail\": $err}")
-  fi
+  "$PY" "$bench" > "$LOGS/$name.json" 2> "$LOGS/$name.err"
+  echo $? > "$LOGS/$name.rc"
 done
-{ echo "{"; (IFS=$'\n'; echo "${parts[*]}" | paste -sd, -); echo "}"; } | "$PY" -m json.tool > "$OUT"
-echo "wrote $OUT" >&2
-cat "$OUT"
+"$PY" - "$LOGS" "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+logs, out = Path(sys.argv[1]), Path(sys.argv[2])
+merged = {}
+for rc_file in sorted(logs.glob("*.rc")):
+    name, rc = rc_file.stem, int(rc_file.read_text())
+    try:
+        merged[name] = json.loads((logs / f"{name}.json").read_text()) if rc == 0 else None
+    except json.JSONDecodeError:
+        merged[name] = None
+    if merged[name] is None:
+        merged[name] = {"error": True, "exit_code": rc, "stderr_tail": (logs / f"{name}.err").read_text()[-400:]}
+out.write_text(json.dumps(merged, indent=1) + "\n")
+print(out.read_text())
+PY
