@@ -113,6 +113,13 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
             vllm_model=resolve_target_path(recipe.target.name_or_path), progress=progress,
             max_prompt_tokens=max(1, cfg.max_length - rg.max_new_tokens),
         )
+        # Regeneration ends a conversation before a prompt too long to fit max_length, or
+        # at an empty reply; one left with no assistant turn has nothing to train on.
+        empty = sum(not any(m["role"] == "assistant" for m in c) for c in conversations)
+        if empty:
+            report.kept -= empty
+            report.drop("regenerated_nothing_to_train", empty)
+        conversations = [c for c in conversations if any(m["role"] == "assistant" for m in c)]
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(recipe.target.name_or_path),
                                                   trust_remote_code=recipe.target.trust_remote_code)

@@ -120,3 +120,16 @@ def test_no_eval_split_when_eval_fraction_is_zero(tiny_llama_dir, tmp_path):
                  f"data.sources=[{corpus}]", "data.max_length=300", "data.eval_fraction=0"]) == 0
     dd = load_prepared(run / "prepared")
     assert list(dd) == ["train"] and len(dd["train"]) == 5
+
+
+def test_prompts_too_long_to_regenerate_are_counted(tiny_llama_dir, tmp_path):
+    rows = [{"conversations": [{"from": "human", "value": "q" * (400 if k == 0 else 5)},
+                               {"from": "gpt", "value": "a"}]} for k in range(4)]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    run = tmp_path / "run"
+    assert main(["prepare", "--no-progress", f"run_dir={run}", f"target.name_or_path={tiny_llama_dir}",
+                 f"data.sources=[{corpus}]", "data.max_length=100", "data.eval_fraction=0",
+                 "data.regenerate.enabled=true", "data.regenerate.max_new_tokens=8", "target.dtype=float32"]) == 0
+    report = json.loads((run / "prepared" / "drop_report.json").read_text())
+    assert report["dropped"] == {"regenerated_nothing_to_train": 1} and report["kept"] == 3
