@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command: set up (or reuse) the virtual environment, then run pytest.
-#   scripts/test.sh               the default suite (fast; no slow-marked tests)
-#   scripts/test.sh -m slow       only the slow end-to-end tests
-#   EYAS_TEST_SLOW=1 scripts/test.sh   the default suite, then the slow tests
+#   scripts/test.sh               the fast suite (~1-2 min), then the slow end-to-end tests
+#                                 (real SmolLM2, SIGKILL/resume, DDP and DeepSpeed launches; ~4 min)
+#   EYAS_TEST_FAST=1 scripts/test.sh   the fast suite only
+#   scripts/test.sh -m slow       pytest arguments of your own (here: only the slow tests)
 # Extra arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +24,7 @@ if [ $# -gt 0 ]; then
 fi
 run_pytest -m "not slow and not vllm and not cuda" -q
 rc=$?
-if [ $rc -eq 0 ] && [ "${EYAS_TEST_SLOW:-0}" = "1" ]; then
+if [ $rc -eq 0 ] && [ "${EYAS_TEST_FAST:-0}" != "1" ]; then
   run_pytest -m "slow and not vllm and not cuda" -q
   rc=$?
 fi
