@@ -133,3 +133,17 @@ def test_prompts_too_long_to_regenerate_are_counted(tiny_llama_dir, tmp_path):
                  "data.regenerate.enabled=true", "data.regenerate.max_new_tokens=8", "target.dtype=float32"]) == 0
     report = json.loads((run / "prepared" / "drop_report.json").read_text())
     assert report["dropped"] == {"regenerated_nothing_to_train": 1} and report["kept"] == 3
+
+
+def test_capture_skips_online_features_and_missing_eval_split(tiny_llama_dir, tmp_path, capsys):
+    corpus = _write_corpus(tmp_path / "c.jsonl", n=6)
+    run = tmp_path / "run"
+    args = [f"run_dir={run}", f"target.name_or_path={tiny_llama_dir}", f"data.sources=[{corpus}]",
+            "data.max_length=300", "data.eval_fraction=0"]
+    assert main(["prepare", "--no-progress", *args]) == 0
+    assert main(["capture", "--no-progress", *args, "data.features=online"]) == 0
+    assert "nothing to capture" in capsys.readouterr().out and not (run / "cache").exists()
+    assert main(["capture", "--no-progress", *args]) == 0  # train only: no eval split to capture
+    from eyas.data.cache import FeatureCache
+
+    assert len(FeatureCache(run / "cache", "train")) == 5

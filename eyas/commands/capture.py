@@ -48,11 +48,15 @@ def run(args: argparse.Namespace) -> int:
     from eyas.data.prepare import load_prepared
     from eyas.data.targets import default_aux_layer_ids, load_target
 
+    if recipe.data.features == "online":
+        print("eyas capture: data.features=online: the trainer computes the features itself; nothing to capture")
+        return 0
     prepared = recipe.paths.prepared
     if not (prepared / "dataset").is_dir():
         print(f"eyas capture: no prepared data at {prepared}; run `eyas prepare` first", file=sys.stderr)
         return 1
     dd = load_prepared(prepared)
+    splits = [s for s in splits if s in dd]  # an empty eval split is not written
     t = recipe.target
     target = load_target(t.name_or_path, t.dtype, t.device, t.attn_implementation, t.trust_remote_code, t.revision)
     aux_ids = list(recipe.data.aux_layer_ids or default_aux_layer_ids(target.num_layers))
