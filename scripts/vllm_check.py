@@ -4,7 +4,7 @@ acceptance predicts vLLM's.
   python scripts/vllm_check.py                      # every head, report on stdout
   python scripts/vllm_check.py --quick --json-out runs/vllm_check/report.json
   python scripts/vllm_check.py --heads e3-vocab,pe --no-serve
-  python scripts/vllm_check.py --trained-head runs/quickstart/export
+  python scripts/vllm_check.py --trained-head runs/smollm2-135m-eagle3/export
 
 For each head: build it (see HEADS), export it with eyas (speculators or original EAGLE
 layout), validate the export, serve it in vLLM (a separate venv, made by
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)} and no serve check "
                         "(3 engine starts instead of ~9)")
     parser.add_argument("--trained-head", help="a trained head (eyas checkpoint or export) for the 'trained' check "
-                        "(default: runs/quickstart/export when it exists; otherwise that check is skipped and reported)")
+                        "(default: runs/smollm2-135m-eagle3/export when it exists; otherwise that check is skipped and reported)")
     parser.add_argument("--no-serve", action="store_true", help="skip the `vllm serve DIR` check")
     parser.add_argument("--k", type=int, default=3, help="draft tokens per step (default 3)")
     parser.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per prompt (default 48)")
@@ -356,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown head(s) {unknown}; choose from {list(HEADS)}")
     serve = not (args.no_serve or args.quick)
     trained_dir = Path(args.trained_head) if args.trained_head else None
-    if trained_dir is None and (ROOT / "runs" / "quickstart" / "export" / "config.json").is_file():
-        trained_dir = ROOT / "runs" / "quickstart" / "export"
+    if trained_dir is None and (ROOT / "runs" / "smollm2-135m-eagle3" / "export" / "config.json").is_file():
+        trained_dir = ROOT / "runs" / "smollm2-135m-eagle3" / "export"
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
 
