@@ -80,3 +80,18 @@ def test_plan_cli_prints_inputs_config_and_writes_png(tmp_path, capsys):
                "--json", "--out", str(tmp_path)])
     body = json.loads(capsys.readouterr().out)
     assert set(body["plans"]) == {"eagle3", "peagle"}
+
+
+def test_plan_cli_serves_the_head_the_report_measured(tmp_path, capsys):
+    import json
+
+    from eyas.cli import main
+
+    report = {"algorithm": "eagle3", "head": "runs/my-head/export",
+              "drafters": {"head": {"per_position_acceptance": [0.8, 0.7, 0.6]}}}
+    path = tmp_path / "eval_report.json"
+    path.write_text(json.dumps(report))
+    assert main(["plan", "--report", str(path), "--hardware", "H200", "--target-params", "llama-3.1-8b",
+                 "--out", str(tmp_path / "plan")]) == 0
+    out = capsys.readouterr().out
+    assert '"model": "runs/my-head/export"' in out and (tmp_path / "plan" / "plan.png").is_file()

@@ -43,9 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true")
 
 
-def _acceptance(args, recipe) -> tuple[list[float], str | None, str]:
+def _acceptance(args, recipe) -> tuple[list[float], str | None, str, str | None]:
+    """(per-position acceptance, algorithm, where it came from, the evaluated head's dir)."""
     if args.acceptance:
-        return [float(x) for x in args.acceptance.split(",")], None, "--acceptance"
+        return [float(x) for x in args.acceptance.split(",")], None, "--acceptance", None
     path = Path(args.report) if args.report else recipe.paths.eval / "eval_report.json"
     if not path.is_file():
         raise SystemExit(f"eyas plan: no report at {path}; run `eyas eval` or pass --acceptance a1,a2,...")
@@ -54,14 +55,14 @@ def _acceptance(args, recipe) -> tuple[list[float], str | None, str]:
     if not head or not head.get("per_position_acceptance"):
         raise SystemExit(f"eyas plan: {path} holds no head acceptance (was eval run without --head?)")
     rates = [r for r in head["per_position_acceptance"] if r is not None]
-    return rates, report.get("algorithm"), str(path)
+    return rates, report.get("algorithm"), str(path), report.get("head")
 
 
 def run(args: argparse.Namespace) -> int:
     from eyas.eval import planner as P
 
     recipe = load_recipe_from_args(args)
-    rates, report_alg, source = _acceptance(args, recipe)
+    rates, report_alg, source, head_dir = _acceptance(args, recipe)
     if args.hardware not in P.HARDWARE:
         raise SystemExit(f"eyas plan: unknown hardware {args.hardware!r}; choose from {', '.join(P.HARDWARE)}")
     hw = P.with_overrides(P.HARDWARE[args.hardware],
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     P.plot_plans(plans, out / "plan.png")
     (out / "plan.json").write_text(P.dumps(plans) + "\n")
     serve_at = args.serve_concurrency if args.serve_concurrency in conc else conc[0]
-    model = str(recipe.paths.export)
+    model = head_dir or str(recipe.paths.export)  # the head the report measured
     configs = {alg: P.speculative_config(p, serve_at, model) for alg, p in plans.items()}
     if args.json:
         body = json.loads(P.dumps(plans))
