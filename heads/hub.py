@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from eyas.heads.export import CONFIG_NAME, WEIGHTS_NAME, config_from_export, detect_format, read_config, serve_command
+from eyas.heads.export import CONFIG_NAME, WEIGHTS_NAME, serve_command
+from eyas.heads.load_export import config_from_export, detect_format, read_config
 
 log = logging.getLogger(__name__)
 

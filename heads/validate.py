@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-from eyas.heads.export import CONFIG_NAME, WEIGHTS_NAME, ExportFormatError, read_config, read_tensors
+from eyas.heads.export import CONFIG_NAME, WEIGHTS_NAME, ExportFormatError
+from eyas.heads.load_export import read_config, read_tensors
 
 LAYER_CONFIG_KEYS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "intermediate_size", "num_hidden_layers", "rms_norm_eps", "max_position_embeddings",

@@ -270,7 +270,8 @@ def build_spec_head(spec: HeadSpec, side: EyasSide, work: Path, target_dir: Path
     from eyas.heads.peagle import choose_mask_token_id
 
     if spec.kind == "trained":
-        from eyas.heads.export import export_head, load_any_head
+        from eyas.heads.export import export_head
+        from eyas.heads.load_export import load_any_head
         from eyas.heads.validate import validate_export
 
         if trained_dir is None:
@@ -402,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         checks = {"export_validates": {"ok": not problems, "problems": problems}}
         if ref_bad is not None:
             checks["head_equals_reference_math"] = {"ok": ref_bad == 0, "mismatching_slots": ref_bad}
-        from eyas.heads.export import load_any_head
+        from eyas.heads.load_export import load_any_head
 
         head = load_any_head(head_dir, target_embed=side.embed, dtype=torch.float32)
         log(f"{name}: eyas offline speculative decoding")

@@ -7,14 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from eyas.heads.eagle3 import Eagle3Head
-from eyas.heads.export import (
-    detect_format,
-    export_checkpoint,
-    export_head,
-    load_any_head,
-    load_exported_head,
-    serve_command,
-)
+from eyas.heads.export import export_checkpoint, export_head, serve_command
+from eyas.heads.load_export import detect_format, load_any_head, load_exported_head
 from eyas.heads.io import save_head
 from eyas.heads.peagle import PEagleHead
 from eyas.heads.validate import validate_export

@@ -47,7 +47,7 @@ def load_eval_head(head_dir: str, target):
     """A head from an eyas checkpoint or an export directory, on the target's device."""
     embed = target.model.get_input_embeddings().weight.detach()
     try:
-        from eyas.heads.export import load_any_head
+        from eyas.heads.load_export import load_any_head
     except ImportError:
         from eyas.heads.io import load_head as load_any_head
     head = load_any_head(head_dir, target_embed=embed)
