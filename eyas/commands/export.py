@@ -37,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
+def _print_problems(header: str, problems: list[str]) -> None:
+    print(header, file=sys.stderr)
+    for p in problems:
+        print(f"  - {p}", file=sys.stderr)
+
+
 def _check(head_dir: str, as_json: bool) -> int:
     from eyas.heads.validate import validate_export
 
@@ -44,9 +50,7 @@ def _check(head_dir: str, as_json: bool) -> int:
     if as_json:
         print(json.dumps({"dir": head_dir, "ok": not problems, "problems": problems}))
     elif problems:
-        print(f"{head_dir}: {len(problems)} problem(s):", file=sys.stderr)
-        for p in problems:
-            print(f"  - {p}", file=sys.stderr)
+        _print_problems(f"{head_dir}: {len(problems)} problem(s):", problems)
     else:
         print(f"{head_dir}: OK (matches the serving contract)")
     return 1 if problems else 0
@@ -100,9 +104,7 @@ def run(args: argparse.Namespace) -> int:
                           "serve": command}))
     else:
         if problems:
-            print(f"eyas export: the export in {out_dir} breaks the serving contract:", file=sys.stderr)
-            for p in problems:
-                print(f"  - {p}", file=sys.stderr)
+            _print_problems(f"eyas export: the export in {out_dir} breaks the serving contract:", problems)
         else:
             print(f"exported {cfg.algorithm} head ({fmt}, {args.dtype}) to {out_dir}; validated")
             print("serve it with:")
