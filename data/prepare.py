@@ -28,18 +28,21 @@ log = logging.getLogger(__name__)
 
 
 def render_all(tokenizer, conversations, max_length: int, train_on: str, report: DropReport,
-               progress: bool = True) -> tuple[list[list[int]], list[list[int]]]:
-    """Render every conversation; failures are dropped and counted on `report`."""
+               progress: bool = True, truncate: bool = False) -> tuple[list[list[int]], list[list[int]]]:
+    """Render every conversation; failures are dropped and counted on `report`, and so are
+    the samples cut to `max_length` (with `truncate`)."""
     from tqdm.auto import tqdm
 
     ids, masks = [], []
     for conv in tqdm(conversations, desc="render", unit="conv", disable=not progress):
         try:
-            r = render_with_mask(tokenizer, conv, train_on, max_length)
+            r = render_with_mask(tokenizer, conv, train_on, max_length, truncate=truncate)
         except TemplateError as err:
             report.kept -= 1
             report.drop(err.reason)
             continue
+        if r.truncated:
+            report.repaired["truncated_to_max_length"] += 1
         ids.append(r.input_ids)
         masks.append(r.loss_mask)
     return ids, masks
@@ -123,7 +126,8 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(recipe.target.name_or_path),
                                                   trust_remote_code=recipe.target.trust_remote_code)
-    ids, masks = render_all(tokenizer, conversations, cfg.max_length, cfg.train_on, report, progress)
+    ids, masks = render_all(tokenizer, conversations, cfg.max_length, cfg.train_on, report, progress,
+                            truncate=cfg.over_length == "truncate")
     (out_dir / "drop_report.json").write_text(json.dumps(report.as_dict(), indent=1) + "\n")
     log.info("prepared: %s", report.summary())
     if not ids:

@@ -42,25 +42,78 @@ def _done_records(path: Path) -> dict[int, list[dict]]:
     return done
 
 
+def stop_token_ids(model, tokenizer) -> set[int]:
+    """The ids that end a reply: the tokenizer's EOS and the model's generation-config EOS
+    (chat models often list the end-of-turn token there, e.g. `<|im_end|>`)."""
+    ids = set()
+    for eos in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if eos is None:
+            continue
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return ids
+
+
+def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator=None) -> torch.Tensor:
+    """[B, V] -> [B]: argmax at temperature 0, else a nucleus (top-p) sample."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
 @torch.no_grad()
 def generate_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                        top_p: float) -> list[str]:
-    """Batched generation with left padding (so every prompt ends at the same column)."""
+                        top_p: float, generator: Optional[torch.Generator] = None) -> list[str]:
+    """Batched decoding of `prompts` (token id lists) with the target's KV cache; returns the
+    decoded replies (special tokens and the stop token removed).
+
+    Prompts are left padded so every row's next token sits in the last column. A row that
+    emits a stop token leaves the batch at once (its cache rows are dropped), so a batch
+    costs what its live rows need rather than `len(prompts) x max_new_tokens` slots
+    as with `model.generate`, which keeps finished rows until the longest reply ends.
+    """
+    from transformers import DynamicCache
+
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    T = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), T), pad, dtype=torch.long)
+    stops = torch.tensor(sorted(stop_token_ids(model, tokenizer)), dtype=torch.long, device=device)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for b, p in enumerate(prompts):
-        ids[b, T - len(p):] = torch.tensor(p)
-        mask[b, T - len(p):] = 1
-    sample = temperature > 0
-    out = model.generate(
-        input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-        do_sample=sample, temperature=temperature if sample else None, top_p=top_p if sample else None,
-        top_k=None, pad_token_id=pad,
-    )
-    return [tokenizer.decode(row[T:], skip_special_tokens=True).strip() for row in out]
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                   logits_to_keep=1).logits[:, -1]
+    rows = torch.arange(len(prompts), device=device)  # original index of each live row
+    last_pos = positions[:, -1]
+    replies: list[list[int]] = [[] for _ in prompts]
+    for step in range(max_new_tokens):
+        nxt = _next_tokens(logits, temperature, top_p, generator)
+        stopped = torch.isin(nxt, stops)
+        for r, tok, stop in zip(rows.tolist(), nxt.tolist(), stopped.tolist()):
+            if not stop:
+                replies[r].append(tok)
+        if step + 1 == max_new_tokens or bool(stopped.all()):
+            break
+        if bool(stopped.any()):
+            live = (~stopped).nonzero()[:, 0]
+            cache.batch_select_indices(live)
+            rows, mask, nxt, last_pos = rows[live], mask[live], nxt[live], last_pos[live]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        last_pos = last_pos + 1
+        logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last_pos[:, None], cache=cache,
+                       use_cache=True).logits[:, -1]
+    return [tokenizer.decode(r, skip_special_tokens=True).strip() for r in replies]
 
 
 def generate_replies_vllm(llm, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,

@@ -36,7 +36,8 @@ class Rendered:
 
     input_ids: list[int]
     loss_mask: list[int]
-    text: str
+    text: str  # the whole rendering, also when the ids were truncated
+    truncated: bool = False
 
 
 def _render(tokenizer, messages: Conversation, add_generation_prompt: bool) -> str:
@@ -110,11 +111,13 @@ def _end_by_special(tokenizer, full: str, start: int, message: dict) -> int:
 
 
 def render_with_mask(tokenizer, messages: Conversation, train_on: Literal["all", "last"] = "all",
-                     max_length: Optional[int] = None) -> Rendered:
+                     max_length: Optional[int] = None, truncate: bool = False) -> Rendered:
     """Tokenise the conversation as the chat template renders it, with the loss mask.
 
-    Raises `TemplateError` (reason `over_length`, `no_masked_tokens`, `template_error`,
-    `template_not_incremental`, ...) for a sample to drop; never truncates.
+    A rendering longer than `max_length` raises `over_length`, or with `truncate` keeps its
+    first `max_length` tokens (`Rendered.truncated` says so). Raises `TemplateError`
+    (reason `over_length`, `no_masked_tokens`, `template_error`,
+    `template_not_incremental`, ...) for a sample to drop.
     """
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError("render_with_mask needs a fast tokenizer (for character offsets)")
@@ -123,8 +126,11 @@ def render_with_mask(tokenizer, messages: Conversation, train_on: Literal["all",
     # as apply_chat_template(tokenize=True) does.
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    if max_length is not None and len(ids) > max_length:
+    truncated = max_length is not None and len(ids) > max_length
+    if truncated and not truncate:
         raise TemplateError("over_length", f"{len(ids)} > {max_length}")
+    if truncated:
+        ids, offsets = ids[:max_length], offsets[:max_length]
     mask = [0] * len(ids)
     si = 0
     for t, (a, b) in enumerate(offsets):
@@ -136,7 +142,7 @@ def render_with_mask(tokenizer, messages: Conversation, train_on: Literal["all",
             mask[t] = 1
     if not any(mask):
         raise TemplateError("no_masked_tokens")
-    return Rendered(input_ids=list(ids), loss_mask=mask, text=text)
+    return Rendered(input_ids=list(ids), loss_mask=mask, text=text, truncated=truncated)
 
 
 def prompt_ids(tokenizer, messages: Conversation) -> list[int]:

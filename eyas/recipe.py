@@ -48,6 +48,10 @@ class DataSection(_Section):
     format: Literal["auto", "sharegpt", "openai"] = "auto"
     max_samples: Optional[int] = None
     max_length: int = 2048
+    # A rendered sample longer than max_length: dropped (counted as over_length), or cut to
+    # its first max_length tokens (counted as truncated_to_max_length; dropped when no
+    # trained token is left).
+    over_length: Literal["drop", "truncate"] = "drop"
     train_on: Literal["all", "last"] = "all"  # which assistant turns carry loss
     max_turns: Optional[int] = None  # keep at most this many assistant turns per conversation
     eval_fraction: float = 0.02

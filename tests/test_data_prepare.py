@@ -40,6 +40,14 @@ def test_prepare_cli_writes_dataset_freqs_and_drop_report(tiny_llama_dir, tmp_pa
     assert report["kept"] == 27 and "over_length" in capsys.readouterr().out
     dd = load_prepared(run / "prepared")
     assert len(dd["train"]) == 24 and len(dd["eval"]) == 3
+    # data.over_length=truncate keeps the 3 long rows, cut to max_length and counted.
+    cut = tmp_path / "cut"
+    assert main(["prepare", "--no-progress", *args, f"run_dir={cut}", "data.over_length=truncate"]) == 0
+    report = json.loads((cut / "prepared" / "drop_report.json").read_text())
+    assert report["dropped"] == {"bad_json": 1, "unknown_role": 1}
+    assert report["kept"] == 30 and report["repaired"]["truncated_to_max_length"] == 3
+    cut_dd = load_prepared(cut / "prepared")
+    assert max(len(r["input_ids"]) for r in [*cut_dd["train"], *cut_dd["eval"]]) == 300
     freqs = load_token_frequencies(run / "prepared")
     assert freqs.shape == (320,)
     # Frequencies count exactly the masked train tokens; with train_on=last only the last reply.
@@ -147,3 +155,34 @@ def test_capture_skips_online_features_and_missing_eval_split(tiny_llama_dir, tm
     from eyas.data.cache import FeatureCache
 
     assert len(FeatureCache(run / "cache", "train")) == 5
+
+
+def test_batched_greedy_replies_equal_model_generate_when_rows_stop_early(tiny_llama_dir):
+    """Rows leave the batch when they emit a stop token; the others' replies must not move."""
+    from eyas.data.regenerate import generate_replies_hf
+    from eyas.data.targets import load_target
+
+    target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    model, tok = target.model, target.tokenizer
+    prompts = [tok(t)["input_ids"] for t in ["a", "hello there", "xyz", "a much longer prompt than the rest"]]
+    free = generate_replies_hf(model, tok, prompts, 12, 0.0, 1.0)
+    # Make a token that some (not all) replies emit mid-way the stop token.
+    first_ids = [tok(r)["input_ids"] for r in free]
+    candidates = [i for ids in first_ids for i in ids[2:8]]
+    stop = next(c for c in candidates if sum(c in ids for ids in first_ids) < len(prompts))
+    model.generation_config.eos_token_id = [tok.eos_token_id, stop]
+    ours = generate_replies_hf(model, tok, prompts, 12, 0.0, 1.0)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tok.pad_token_id or 0)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):], mask[b, width - len(p):] = torch.tensor(p), 1
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                         pad_token_id=tok.pad_token_id or 0)
+    # HF pads a finished row with pad ids after its stop token; cut at the first stop instead.
+    expected = []
+    for row in ref[:, width:].tolist():
+        cut = next((j for j, t in enumerate(row) if t in (stop, tok.eos_token_id)), len(row))
+        expected.append(tok.decode(row[:cut], skip_special_tokens=True).strip())
+    assert ours == expected
+    assert any(len(a) < len(b) for a, b in zip(ours, free))  # some row really stopped early

@@ -78,6 +78,19 @@ def test_over_length_is_refused_not_truncated():
     assert err.value.reason == "over_length"
 
 
+def test_truncation_keeps_the_prefix_and_its_mask():
+    tok = family_tokenizer("chatml")
+    full = render_with_mask(tok, CONVERSATION)
+    cut = render_with_mask(tok, CONVERSATION, max_length=len(full.input_ids) - 3, truncate=True)
+    assert cut.truncated and not full.truncated
+    assert cut.input_ids == full.input_ids[:-3] and cut.loss_mask == full.loss_mask[:-3]
+    # Cut before the first reply: nothing left to train on, so the sample is refused.
+    first = full.loss_mask.index(1)
+    with pytest.raises(TemplateError) as err:
+        render_with_mask(tok, CONVERSATION, max_length=first, truncate=True)
+    assert err.value.reason == "no_masked_tokens"
+
+
 def test_tokens_equal_apply_chat_template():
     tok = family_tokenizer("llama3")
     r = render_with_mask(tok, CONVERSATION)
