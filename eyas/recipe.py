@@ -95,6 +95,7 @@ class TrainSection(_Section):
     seed: int = 0
     learning_rate: float = 1e-4
     weight_decay: float = 0.0
+    freeze_lm_head: bool = False  # keep the LM head rows copied from the target
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 100
     max_steps: Optional[int] = None

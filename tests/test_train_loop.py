@@ -142,3 +142,22 @@ def test_sigkill_then_resume_matches_uninterrupted_run(online_run, tmp_path):
         assert torch.equal(a[k], b[k]), k
     ckpt_a = load_file(str(recipes["straight"][0].paths.checkpoints / f"step-{total:08d}" / "model.safetensors"))
     assert all(torch.equal(ckpt_a[k], a[k]) for k in a)
+
+
+def test_frozen_lm_head_keeps_the_targets_rows(tmp_path, tiny_llama_dir):
+    recipe = prepare_run(tmp_path, tiny_llama_dir, "online", n=12, max_steps=3, save_every=0, eval_every=0,
+                         freeze_lm_head=True)
+    from eyas.data.targets import load_target, target_norm_and_lm_head
+    from eyas.heads.io import load_head
+    from eyas.train.loop import train
+
+    train(recipe, progress=False)
+    target = load_target(str(tiny_llama_dir), "float32", "cpu")
+    head = load_head(recipe.paths.checkpoints / "final", target.model.get_input_embeddings().weight)
+    _, lm_head = target_norm_and_lm_head(target.model)
+    assert torch.equal(head.lm_head.weight, lm_head.weight[head.draft_token_ids()])
+    # without the flag the same run moves those rows
+    free = prepare_run(tmp_path / "free", tiny_llama_dir, "online", n=12, max_steps=3, save_every=0, eval_every=0)
+    train(free, progress=False)
+    moved = load_head(free.paths.checkpoints / "final", target.model.get_input_embeddings().weight)
+    assert not torch.equal(moved.lm_head.weight, lm_head.weight[moved.draft_token_ids()])

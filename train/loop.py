@@ -202,6 +202,12 @@ def train(recipe, target=None, progress: bool = True) -> dict:
     head_cfg = head_config_for(recipe, target.config, verifier=target.hub_id, tokenizer=target.tokenizer,
                                token_freqs=freqs)
     head = build_trainable_head(head_cfg, target.model, freqs).to(device)
+    if cfg.freeze_lm_head:
+        if head_cfg.hidden_size != head_cfg.target_hidden_size:
+            raise ValueError("train.freeze_lm_head needs head.hidden_size equal to the target's "
+                             f"({head_cfg.target_hidden_size}): only then is the LM head copied from the target")
+        # keeps the target's own output rows: far fewer weights to fit on a small dataset
+        head.lm_head.weight.requires_grad_(False)
     features = FeatureSource(target.model, list(head_cfg.aux_layer_ids), frozen_output(target.model), head)
 
     train_src = _open_data(recipe, head_cfg, "train")
