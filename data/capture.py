@@ -98,28 +98,36 @@ def _pad_batch(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.
 
 def capture_shard(model, input_ids: Sequence[list[int]], loss_mask: Sequence[list[int]], batches: list[list[int]],
                   aux_layer_ids: Sequence[int], aux_dtype: str, pad_id: int) -> dict[str, torch.Tensor]:
-    """Run the target over one shard's batches; returns the shard's tensors (cache.py format)."""
+    """Run the target over one shard's batches; returns the shard's tensors (cache.py format).
+
+    The rows go straight into buffers sized for the whole shard, so no batch's activations
+    outlive it (kept views would pin every batch's padded tensors until the shard is saved)."""
     device = next(model.parameters()).device
-    parts: dict[str, list] = {k: [] for k in ("input_ids", "loss_mask", "aux", "last")}
-    lengths, index = [], []
+    order = [i for batch in batches for i in batch]
+    lengths = [len(input_ids[i]) for i in order]
+    total = sum(lengths)
+    out: dict[str, torch.Tensor] = {
+        "input_ids": torch.tensor([t for i in order for t in input_ids[i]], dtype=torch.int32),
+        "loss_mask": torch.tensor([t for i in order for t in loss_mask[i]], dtype=torch.uint8),
+    }
+    at = 0
     for batch in batches:
         rows = [input_ids[i] for i in batch]
         ids, mask = _pad_batch(rows, pad_id)
         aux, last = compute_features(model, ids.to(device), mask.to(device), aux_layer_ids)
-        aux, last = aux.to("cpu", torch.bfloat16), last.to("cpu", torch.bfloat16)
-        for b, i in enumerate(batch):
-            n = len(rows[b])
-            parts["input_ids"].append(torch.tensor(rows[b], dtype=torch.int32))
-            parts["loss_mask"].append(torch.tensor(loss_mask[i], dtype=torch.uint8))
-            parts["aux"].append(aux[b, :n])
-            parts["last"].append(last[b, :n])
-            lengths.append(n)
-            index.append(i)
-    out = {k: torch.cat(v).contiguous() for k, v in parts.items()}
+        if "aux" not in out:
+            out["aux"] = torch.empty(total, aux.shape[-1], dtype=torch.bfloat16)
+            out["last"] = torch.empty(total, last.shape[-1], dtype=torch.bfloat16)
+        for b, row in enumerate(rows):
+            n = len(row)
+            out["aux"][at:at + n] = aux[b, :n]
+            out["last"][at:at + n] = last[b, :n]
+            at += n
+        del aux, last
     if aux_dtype == "fp8":
         out["aux"], out["aux_scale"] = quantize_fp8(out["aux"], len(aux_layer_ids))
     out["offsets"] = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
-    out["sample_index"] = torch.tensor(index, dtype=torch.int64)
+    out["sample_index"] = torch.tensor(order, dtype=torch.int64)
     return out
 
 

@@ -11,13 +11,14 @@ distribution's KL / top-1 agreement. The fp8 option quantizes only the aux state
 (the input of the recomputed logits) stays bf16, so the recomputed distribution is exact
 (fp8_target_kl = 0); fp8_if_last_quantized_* shows what quantizing `last` too would cost.
 
-usage: python scripts/bench_capture.py [--samples 64] [--max-length 512] [--batch-tokens 4096]
+usage: python scripts/bench_capture.py [--samples 64] [--max-length 512] [--batch-tokens 4096] [--repeats 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -32,6 +33,7 @@ def main() -> int:
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--repeats", type=int, default=4, help="timed rounds of each (the best counts)")
     args = ap.parse_args()
 
     from eyas.data.cache import FeatureCache, bytes_per_token, dequantize_fp8, quantize_fp8
@@ -80,11 +82,20 @@ def main() -> int:
     # Interleave and keep the best of each, since a shared 2-core machine is noisy.
     t_fwd, t_cap, t_logits = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(2):
-            t_fwd.append(timed(forward_only))
+        for rep in range(args.repeats):
             out = Path(tmp) / f"bf16-{rep}"
-            t_cap.append(timed(lambda: capture_split(model, split, out, aux_ids, "bf16", args.batch_tokens,
-                                                     262_144, tok.pad_token_id or 0, progress=False)))
+
+            def capture():
+                capture_split(model, split, out, aux_ids, "bf16", args.batch_tokens, 262_144,
+                              tok.pad_token_id or 0, progress=False)
+
+            # alternate which goes first, so neither always runs on a warmer machine
+            if rep % 2:
+                t_cap.append(timed(capture))
+                t_fwd.append(timed(forward_only))
+            else:
+                t_fwd.append(timed(forward_only))
+                t_cap.append(timed(capture))
         t_logits.append(timed(forward_logits))
         capture_split(model, split, Path(tmp) / "fp8", aux_ids, "fp8", args.batch_tokens, 262_144,
                       tok.pad_token_id or 0, progress=False)
@@ -116,6 +127,9 @@ def main() -> int:
         "capture_tokens_per_s": round(n_tokens / cap, 1),
         "forward_tokens_per_s": round(n_tokens / fwd, 1),
         "capture_over_forward": round(cap / fwd, 3),
+        # per-round ratios are steadier than best-of-each on a machine whose speed drifts
+        "capture_over_forward_median_paired": round(statistics.median(c / f for c, f in zip(t_cap, t_fwd)), 3),
+        "capture_seconds": [round(x, 2) for x in t_cap], "forward_seconds": [round(x, 2) for x in t_fwd],
         "forward_with_logits_tokens_per_s": round(n_tokens / min(t_logits), 1),
         "bytes_per_token_bf16": bytes_per_token(len(aux_ids), H, "bf16"),
         "bytes_per_token_fp8": bytes_per_token(len(aux_ids), H, "fp8"),

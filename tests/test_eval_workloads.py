@@ -94,4 +94,7 @@ def test_eval_cli_baseline_and_head(tmp_path, tiny_llama_dir, capsys):
     rc = main(["eval", *common, "--baseline", "ngram", "--out", str(tmp_path / "ev2")])
     out = capsys.readouterr().out
     assert rc == 0 and "plain greedy" in out and "ngram" in out and "lossless check: PASSED" in out
+    # --dtype (eval.dtype) evaluates the target in another dtype than the recipe's target.dtype
+    rc = main(["eval", *common, "--baseline", "ngram", "--out", str(tmp_path / "ev3"), "--json", "--dtype", "bfloat16"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
     torch.manual_seed(0)

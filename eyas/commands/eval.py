@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ngram-min", type=int)
     parser.add_argument("--ngram-max", type=int)
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                        help="the target's dtype while evaluating (default: eval.dtype, else target.dtype)")
     parser.add_argument("--out", help="output directory (default: run_dir/eval)")
     parser.add_argument("--tie-tolerance", type=float,
                         help="top-2 logit margin under which a greedy mismatch counts as a numerical near-tie")
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if head_dir is None and baseline == "none":
         raise SystemExit("eyas eval: nothing to evaluate: pass --head DIR or --baseline ngram")
     t = recipe.target
-    target = load_target(pick(args.target, t.name_or_path), dtype=t.dtype, device=t.device,
+    target = load_target(pick(args.target, t.name_or_path), dtype=pick(args.dtype, ev.dtype or t.dtype), device=t.device,
                          attn_implementation=t.attn_implementation, trust_remote_code=t.trust_remote_code,
                          revision=t.revision)
     drafters = {}
