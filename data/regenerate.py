@@ -18,7 +18,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from eyas.data.targets import stop_token_ids
 from eyas.data.templates import prompt_ids
+from eyas.sampling import sample_tokens
 
 log = logging.getLogger(__name__)
 
@@ -40,31 +42,6 @@ def _done_records(path: Path) -> dict[int, list[dict]]:
                 except (json.JSONDecodeError, KeyError, ValueError):
                     continue  # the line a kill cut off
     return done
-
-
-def stop_token_ids(model, tokenizer) -> set[int]:
-    """The ids that end a reply: the tokenizer's EOS and the model's generation-config EOS
-    (chat models often list the end-of-turn token there, e.g. `<|im_end|>`)."""
-    ids = set()
-    for eos in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
-        if eos is None:
-            continue
-        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    return ids
-
-
-def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator=None) -> torch.Tensor:
-    """[B, V] -> [B]: argmax at temperature 0, else a nucleus (top-p) sample."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
-        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 @torch.no_grad()
@@ -98,7 +75,7 @@ def generate_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_toke
     last_pos = positions[:, -1]
     replies: list[list[int]] = [[] for _ in prompts]
     for step in range(max_new_tokens):
-        nxt = _next_tokens(logits, temperature, top_p, generator)
+        nxt = sample_tokens(logits, temperature, top_p, generator)
         stopped = torch.isin(nxt, stops)
         for r, tok, stop in zip(rows.tolist(), nxt.tolist(), stopped.tolist()):
             if not stop:

@@ -247,3 +247,15 @@ def compute_features(
             h.remove()
     aux = torch.cat([grabbed[i] for i in ids], dim=-1)
     return aux, grabbed["last"]
+
+
+def stop_token_ids(model, tokenizer) -> set[int]:
+    """The ids that end a reply: the EOS ids of the model's generation config (chat models
+    list their end-of-turn token there, e.g. `<|im_end|>`), of its config and of the tokenizer."""
+    ids = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(src, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return {int(i) for i in ids}

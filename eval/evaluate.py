@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from eyas.data.targets import stop_token_ids
 from eyas.eval.report import summarize
 from eyas.eval.speculate import greedy_decode, speculative_decode
 from eyas.eval.workloads import WorkloadPrompt, render_turn
@@ -18,16 +19,6 @@ log = logging.getLogger(__name__)
 # A greedy mismatch where the target's own top-2 logits are this close is rounding noise
 # of the verify pass (K+1 positions) against the one-token pass, not a drafting bug.
 TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 0.02, torch.bfloat16: 0.15}
-
-
-def eos_ids_of(model, tokenizer) -> set[int]:
-    ids = set()
-    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
-        eos = getattr(src, "eos_token_id", None)
-        if eos is None:
-            continue
-        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    return {int(i) for i in ids}
 
 
 def first_difference(a: list[int], b: list[int]) -> Optional[int]:
@@ -45,7 +36,7 @@ def run_eval(model, tokenizer, prompts: list[WorkloadPrompt], drafters: dict, k:
     `drafters`: name -> drafter (`HeadDrafter`, `NgramDrafter`). Returns the report body:
     plain / per-drafter summaries, per-category summaries, the lossless check (greedy only).
     """
-    eos = eos_ids_of(model, tokenizer)
+    eos = stop_token_ids(model, tokenizer)
     device = model.get_output_embeddings().weight.device
     tol = TIE_TOLERANCE.get(model.dtype, 1e-4) if tie_tolerance is None else tie_tolerance
     plain_traces, traces = [], {name: [] for name in drafters}

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eyas.data.targets import target_norm_and_lm_head
+from eyas.sampling import sample_tokens
 
 
 @dataclass
@@ -82,13 +83,6 @@ def capture_aux(model, aux_layer_ids):
             h.remove()
 
 
-def _select(logits: torch.Tensor, temperature: float, generator) -> int:
-    if temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
 @torch.no_grad()
 def greedy_decode(model, prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> DecodeTrace:
     """Plain greedy decoding with a KV cache, one token per target forward."""
@@ -143,7 +137,7 @@ def speculative_decode(model, prompt: list[int], drafter, k: int, max_new_tokens
     start = time.perf_counter()
     with capture_aux(model, drafter.aux_layer_ids) as grabbed:
         out = model(input_ids=torch.tensor([prompt], device=device), cache=cache, use_cache=True, logits_to_keep=1)
-        last = _select(out.logits[0, -1], temperature, generator)
+        last = int(sample_tokens(out.logits[0, -1:], temperature, generator=generator)[0])
         aux = grabbed.get("aux")
         drafter.start(prompt, last, aux[0] if aux is not None else None)
         generated = [last]

@@ -12,6 +12,7 @@ from torch import nn
 
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.layers import DecoderLayer, HeadCache, RMSNorm
+from eyas.sampling import sample_tokens
 
 
 class Eagle3Head(nn.Module):
@@ -128,17 +129,9 @@ class Eagle3Head(nn.Module):
         all_logits, ids = [], []
         for j in range(k):
             all_logits.append(logits[:, 0])
-            tok = sample_from_logits(logits[:, 0], temperature, generator)
+            tok = sample_tokens(logits[:, 0], temperature, generator=generator)
             ids.append(self.to_target_ids(tok))
             if j + 1 < k:
                 logits, hid = self.forward_step(ids[-1][:, None], hid, pos + j + 1, cache)
         cache.crop(base)
         return torch.stack(ids, dim=1), torch.stack(all_logits, dim=1)
-
-
-def sample_from_logits(logits: torch.Tensor, temperature: float, generator=None) -> torch.Tensor:
-    """[B, V] -> [B]: argmax when temperature is 0, else a sample of softmax(logits/T)."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from eyas.heads.config import DraftHeadConfig
-from eyas.heads.eagle3 import Eagle3Head, sample_from_logits
+from eyas.heads.eagle3 import Eagle3Head
+from eyas.sampling import sample_tokens
 from eyas.heads.layers import HeadCache
 
 
@@ -46,7 +47,7 @@ class PEagleHead(Eagle3Head):
         logits, _ = self.forward_step(all_tokens, self.combine_aux(all_aux), all_pos, cache)
         logits = logits[:, n - 1:]
         cache.crop(base)
-        flat = sample_from_logits(logits.reshape(b * k, -1), temperature, generator).view(b, k)
+        flat = sample_tokens(logits.reshape(b * k, -1), temperature, generator=generator).view(b, k)
         return self.to_target_ids(flat), logits
 
 
