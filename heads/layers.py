@@ -5,14 +5,13 @@ Attention accepts three kinds of `mask`:
 - a boolean tensor `[B|1, 1, Tq, Tk]` (True = may attend) over the cached keys followed by
   the new ones: SDPA on any device;
 - a flex-attention `BlockMask` (CUDA): the same rule, compiled to skip masked blocks;
-- `TTTMask`: the training-time-test rule of DESIGN §3, computed without materialising
-  the `(k+1)·T` key axis (the cache holds one chunk per unrolled step).
+- `TTTMask`: the training-time-test rule of DESIGN §3 over the step chunks the cache
+  holds (one per unrolled step), run as one fused SDPA call per step.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -98,44 +97,57 @@ class HeadCache:
             layer.crop(length)
 
 
-@dataclass
 class TTTMask:
     """Attention for TTT step k (DESIGN §3): the query at slot t sees the step-0 keys of
-    slots s <= t (`base`, a boolean `[B, 1, T, T]` that also hides padding) and the key
-    each step 1..k computed at slot t itself (the diagonals)."""
+    slots s <= t of its sample and the key each step 1..k computed at slot t itself (the
+    diagonals), over the flattened key axis `[step-0 keys, step-1 keys, ...]` the cache
+    holds as one chunk per step.
 
-    base: torch.Tensor
+    Built from `attention_mask` [B, T] (1 = real). Padding queries carry no loss; they are
+    only kept from empty softmax rows (each sees its own slot), never hidden, which lets
+    a right-padded batch (the collator's layout) run step 0 as plain causal attention:
+    a real query's keys s <= t are all real there.
+    """
+
+    def __init__(self, attention_mask: torch.Tensor):
+        real = attention_mask.bool()
+        self.length = real.shape[1]
+        self.real = real
+        self.right_padded = bool((real[:, 1:] <= real[:, :-1]).all())
+        self._masks: dict[int, torch.Tensor | None] = {}
+
+    def for_step(self, k: int) -> torch.Tensor | None:
+        """The mask of step k, `[B|1, 1, T, (k+1)·T]` bool (True = may attend), or None
+        for step 0 of a right-padded batch (causal attention needs no mask)."""
+        if k not in self._masks:
+            t, device = self.length, self.real.device
+            causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+            eye = torch.eye(t, dtype=torch.bool, device=device)
+            if self.right_padded:
+                if k == 0:
+                    self._masks[k] = None
+                else:
+                    self._masks[k] = torch.cat([causal] + [eye] * k, dim=-1)[None, None]
+            else:
+                step0 = causal[None] & (self.real[:, None, :] | eye[None])  # real keys, and a padding query itself
+                self._masks[k] = torch.cat([step0] + [eye.expand_as(step0)] * k, dim=-1)[:, None]
+        return self._masks[k]
 
 
-def _ttt_attention(q, cache: LayerCache, base: torch.Tensor, scale: float) -> torch.Tensor:
+def _ttt_attention(q, cache: LayerCache, mask: TTTMask, scale: float) -> torch.Tensor:
     """q [B, H, T, d]; cache chunks [B, Hkv, T, d] (chunk 0 = step 0, chunk j = step j).
 
-    softmax over [step-0 keys (masked by `base`), diagonal keys of steps 1..k] without
-    building the (k+1)·T key axis: O(T² + k·T) instead of O((k+1)·T²).
+    One fused SDPA call over the concatenated chunks: the dense (k+1)·T key axis costs
+    less than scoring the diagonals apart, because the fused kernel never writes the
+    [B, H, T, (k+1)·T] scores and their float32 softmax out to memory.
     """
-    groups = q.shape[1] // cache.k[0].shape[1]
-
-    def expand(x):
-        return x.repeat_interleave(groups, dim=1) if groups > 1 else x
-
-    acc = torch.promote_types(q.dtype, torch.float32)  # softmax in >= fp32 under bf16 autocast
-    k0, v0 = expand(cache.k[0]), expand(cache.v[0])
-    scores0 = torch.matmul(q, k0.transpose(-1, -2)).to(acc) * scale
-    scores0 = scores0.masked_fill(~base, float("-inf"))
-    diag_k = [expand(k) for k in cache.k[1:]]
-    diag_v = [expand(v) for v in cache.v[1:]]
-    if diag_k:
-        diag = torch.stack([(q * k).sum(-1) for k in diag_k], dim=-1).to(acc) * scale  # [B, H, T, k]
-        scores = torch.cat([scores0, diag], dim=-1)
-    else:
-        scores = scores0
-    # Fully masked rows (padding queries) would give NaN; they carry no loss, so zero them.
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(q.dtype)
-    t = scores0.shape[-1]
-    out = torch.matmul(probs[..., :t], v0)
-    for j, v in enumerate(diag_v):
-        out = out + probs[..., t + j, None] * v
-    return out
+    k = len(cache.k) - 1
+    keys = torch.cat(cache.k, dim=2) if k else cache.k[0]
+    values = torch.cat(cache.v, dim=2) if k else cache.v[0]
+    attn_mask = mask.for_step(k)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=scale,
+                                          is_causal=attn_mask is None,
+                                          enable_gqa=q.shape[1] != keys.shape[1])
 
 
 class Attention(nn.Module):
@@ -162,7 +174,7 @@ class Attention(nn.Module):
         cache.append(k, v)
         scale = 1.0 / math.sqrt(self.head_dim)
         if isinstance(mask, TTTMask):
-            out = _ttt_attention(q, cache, mask.base, scale)
+            out = _ttt_attention(q, cache, mask, scale)
         else:
             keys, values = cache.concatenated()
             if _is_block_mask(mask):

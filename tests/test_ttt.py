@@ -35,15 +35,21 @@ OPTIONS = [dict(), dict(norm_before_residual=True), dict(fc_norm=True, norm_outp
            dict(num_hidden_layers=2)]
 
 
+@pytest.mark.parametrize("padding", ["right", "left"])
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: ",".join(o) or "plain")
-def test_ttt_decomposed_attention_equals_dense_over_concatenated_keys(opts):
-    """The O(T²+kT) TTT attention equals SDPA over the flattened key axis with the dense mask."""
+def test_ttt_attention_equals_dense_reference_mask(opts, padding):
+    """The trainer's TTT attention (causal step 0 for right padding, its own masks
+    otherwise) equals SDPA over the flattened key axis with the brute-force-checked dense
+    mask, on every real slot."""
     torch.manual_seed(0)
     head = Eagle3Head(_cfg(**opts)).double()
     b, t, steps = 2, 7, 4
     ids = torch.randint(0, 50, (b, t))
     am = torch.ones(b, t, dtype=torch.long)
-    am[1, 5:] = 0
+    if padding == "right":
+        am[1, 5:] = 0
+    else:
+        am[1, :2] = 0
     aux = torch.randn(b, t, 72, dtype=torch.double)
     fast = [lg for _, lg in ttt_unroll(head, ids, am, aux, steps)]
     # dense reference: one cache, keys concatenated, the dense TTT mask per step

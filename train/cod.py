@@ -25,7 +25,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from eyas.heads.peagle import PEagleHead
-from eyas.train.losses import TargetLabels
+from eyas.train.losses import TargetLabels, soft_cross_entropy_rows
 from eyas.train.masks import peagle_block_mask, peagle_dense_mask
 from eyas.train.ttt import StepStats
 
@@ -156,8 +156,8 @@ def _segment_loss(head, elements: PEagleElements, bi, li, target_rows, input_ids
         return logits.sum() * 0.0, empty, empty.long()
     rows = logits[bi, li]
     acc = torch.promote_types(rows.dtype, torch.float32)  # >= fp32 under bf16 autocast
-    ce = -(torch.softmax(target_rows.to(acc), dim=-1) * torch.log_softmax(rows.to(acc), dim=-1)).sum(-1)
-    return ce.sum() / total, ce.detach(), rows.detach().argmax(-1)
+    ce, top = soft_cross_entropy_rows(rows, torch.softmax(target_rows.to(acc), dim=-1))
+    return ce.sum() / total, ce.detach(), top
 
 
 def peagle_loss(head: PEagleHead, batch: dict, labels: TargetLabels, train_cfg, generator: Optional[torch.Generator]) -> StepStats:

@@ -2,51 +2,77 @@
 
 Same math as `target_labels` + `ttt_loss` (the tests compare them), with less work:
 - labels: the target's full-vocabulary logits are computed only at slots whose next token
-  is real and in the loss mask (assistant tokens), not at every slot;
+  is real and in the loss mask (assistant tokens), not at every slot, with the LM head's
+  draft rows first so the draft logits are a slice and the rest needs only a max;
 - loss: at TTT step k the head's LM head, log-softmax, cross-entropy and argmax run only
-  on the query slots whose label slot (t + 1 + k) is valid, and the labels are gathered
-  by index instead of shifting a copy of the `[B, T, Vd]` label tensor per step.
+  on the query slots whose label slot (t + 1 + k) is valid, the label probabilities are
+  computed once for all steps, and the cross-entropy has a hand-written backward.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from eyas.heads.layers import TTTMask
-from eyas.train.losses import TargetLabels
-from eyas.train.masks import causal_padding_mask
+from eyas.train.losses import TargetLabels, soft_cross_entropy_rows
 from eyas.train.ttt import StepStats, shift_left
 
 
+@dataclass
+class DraftFirstLMHead:
+    """The target's LM head `[Vt, Ht]` with its rows reordered: the draft vocabulary first,
+    in draft order, then every other row. One GEMM then gives the draft logits as a
+    contiguous slice `[:, :Vd]` and the best non-draft logit from the rest."""
+
+    weight: torch.Tensor
+    draft_size: int
+
+
+def draft_first_lm_head(lm_head_weight: torch.Tensor, draft_ids: torch.Tensor) -> DraftFirstLMHead:
+    """lm_head_weight [Vt, Ht]; draft_ids [Vd] target ids of the draft rows. Copies the
+    weight once when Vd < Vt (a model-sized LM head, e.g. 1.2 GB for GPT-OSS in bf16)."""
+    vt, vd = lm_head_weight.shape[0], draft_ids.numel()
+    if vd == vt:
+        return DraftFirstLMHead(lm_head_weight, vt)
+    draft_ids = draft_ids.to(lm_head_weight.device)
+    rest = torch.ones(vt, dtype=torch.bool, device=lm_head_weight.device)
+    rest[draft_ids] = False
+    order = torch.cat([draft_ids, rest.nonzero().squeeze(1)])
+    return DraftFirstLMHead(lm_head_weight.index_select(0, order), vd)
+
+
 @torch.no_grad()
-def valid_row_labels(last_hidden: torch.Tensor, norm: nn.Module, lm_head_weight: torch.Tensor,
-                     draft_ids: torch.Tensor, t2d: torch.Tensor | None, loss_mask: torch.Tensor,
-                     attention_mask: torch.Tensor, chunk_tokens: int = 4096) -> TargetLabels:
+def valid_row_labels(last_hidden: torch.Tensor, norm: nn.Module, lm_head: DraftFirstLMHead,
+                     loss_mask: torch.Tensor, attention_mask: torch.Tensor, chunk_tokens: int = 4096) -> TargetLabels:
     """`target_labels` computed only where token s+1 is real and masked; other slots get
-    zero logits, argmax -1 and valid False. Shapes as in `target_labels`."""
+    zero logits, argmax -1 and valid False. Shapes as in `target_labels`; `lm_head` from
+    `draft_first_lm_head`. A slot counts when the target's top logit is reached by a draft
+    token (on an exact tie with a token outside the draft vocabulary it counts)."""
     b, t, ht = last_hidden.shape
     nxt_ok = torch.zeros(b, t, dtype=torch.bool, device=last_hidden.device)
     nxt_ok[:, :-1] = loss_mask[:, 1:].bool() & attention_mask[:, 1:].bool()
     rows = nxt_ok.reshape(-1).nonzero().squeeze(1)
     flat = last_hidden.reshape(-1, ht)
-    vd = draft_ids.numel()
+    vd, weight = lm_head.draft_size, lm_head.weight
     logits = torch.zeros(b * t, vd, dtype=torch.float32, device=last_hidden.device)
     argmax = torch.full((b * t,), -1, dtype=torch.long, device=last_hidden.device)
     valid = torch.zeros(b * t, dtype=torch.bool, device=last_hidden.device)
     for start in range(0, rows.numel(), chunk_tokens):
         r = rows[start:start + chunk_tokens]
-        full = norm(flat[r].to(lm_head_weight.dtype)) @ lm_head_weight.T  # [n, Vt]
-        # max(-1).indices is ~4x faster than argmax on bf16 CPU tensors
-        top = full.max(-1).indices
-        logits[r] = full.index_select(1, draft_ids).float()
-        if t2d is None:
-            argmax[r], valid[r] = top, True
+        full = norm(flat[r].to(weight.dtype)) @ weight.T  # [n, Vt], draft columns first
+        draft = full[:, :vd].float()
+        best = draft.max(-1)
+        logits[r] = draft
+        if vd < full.shape[1]:
+            # amax without indices is several times cheaper than argmax over Vt on CPU
+            inside = best.values >= full[:, vd:].amax(-1).float()
         else:
-            inside = t2d[top]
-            idx = torch.searchsorted(draft_ids, top.contiguous())
-            argmax[r] = torch.where(inside, idx, torch.full_like(idx, -1))
-            valid[r] = inside
+            inside = torch.ones_like(best.indices, dtype=torch.bool)
+        argmax[r] = torch.where(inside, best.indices, -1)
+        valid[r] = inside
     return TargetLabels(logits=logits.view(b, t, vd), argmax=argmax.view(b, t), valid=valid.view(b, t))
 
 
@@ -60,33 +86,35 @@ def _trunk_step(head, input_ids, hidden, positions, cache, mask) -> torch.Tensor
 
 
 def ttt_loss_valid_rows(head, batch: dict, labels: TargetLabels, steps: int, decay: float) -> StepStats:
-    """`ttt_loss` with the LM head and the loss evaluated only on valid query slots."""
+    """`ttt_loss` with the LM head and the loss evaluated only on valid query slots.
+
+    Every step reads the rows of the valid label slots s in one fixed order: step k's
+    query for label s is slot s-1-k of the same sample (absent, weight 0, when s-1-k
+    falls before the sample's start), so the target probabilities are gathered once,
+    not once per step."""
     input_ids, am = batch["input_ids"], batch["attention_mask"]
     b, t = input_ids.shape
-    mask = TTTMask(causal_padding_mask(am))
+    mask = TTTMask(am)
     cache = head.new_cache()
     positions = torch.arange(t, device=input_ids.device)[None].expand(b, t)
     hid = head.combine_aux(batch["aux"])
-    lab_argmax = labels.argmax.reshape(-1)
-    # The target's probabilities once per valid label slot (every step reads a subset).
-    label_rows = labels.valid.reshape(-1).nonzero().squeeze(1)
-    probs = torch.softmax(labels.logits.reshape(b * t, -1)[label_rows].float(), dim=-1)
-    slot_to_row = torch.full((b * t,), -1, dtype=torch.long, device=input_ids.device)
-    slot_to_row[label_rows] = torch.arange(label_rows.numel(), device=input_ids.device)
+    label_rows = labels.valid.reshape(-1).nonzero().squeeze(1)  # flat slots s, ascending
+    label_pos = label_rows % t  # s's position inside its sample
+    probs = torch.softmax(labels.logits.reshape(b * t, -1).index_select(0, label_rows).float(), dim=-1)
+    label_argmax = labels.argmax.reshape(-1).index_select(0, label_rows)
     stats = StepStats(loss=torch.zeros(()), tokens=int(am.sum()))
     total = None
     for k in range(steps):
         h = _trunk_step(head, shift_left(input_ids, 1 + k, 0), hid, positions + k, cache, mask)
         normed = head.norm(h)
-        query_valid = shift_left(labels.valid, 1 + k, False).reshape(-1)
-        rows = query_valid.nonzero().squeeze(1)
-        src = rows + (1 + k)  # the label slot t+1+k of the same sample (valid implies t+1+k < T)
-        if rows.numel():
-            logits = head.lm_head(normed.reshape(b * t, -1)[rows])
-            logq = torch.log_softmax(logits.float(), dim=-1)
-            p = probs[slot_to_row[src]]
-            loss_k = -(p * logq).sum(-1).mean()
-            hits = int((logits.detach().argmax(-1) == lab_argmax[src]).sum())
+        present = label_pos >= 1 + k
+        count = int(present.sum())
+        if count:
+            queries = (label_rows - (1 + k)).clamp(min=0)  # absent ones read slot 0; weight 0
+            logits = head.lm_head(normed.reshape(b * t, -1).index_select(0, queries))
+            ce, top = soft_cross_entropy_rows(logits, probs)
+            loss_k = (ce * present).sum() / count
+            hits = int(((top == label_argmax) & present).sum())
         else:
             # a zero that still reaches every parameter (the LM head included), so DDP sees
             # each one used and every rank runs the same backward
@@ -95,7 +123,7 @@ def ttt_loss_valid_rows(head, batch: dict, labels: TargetLabels, steps: int, dec
         total = decay**k * loss_k if total is None else total + decay**k * loss_k
         stats.step_losses.append(float(loss_k.detach()))
         stats.hits.append(hits)
-        stats.counts.append(int(rows.numel()))
+        stats.counts.append(count)
         hid = normed if head.config.norm_output else h
     stats.loss = total
     return stats

@@ -21,7 +21,7 @@ from eyas.train.algorithms import loss_function
 from eyas.train.batching import BatchStream, DataPosition, offline_stream, online_stream
 from eyas.train.build import FrozenOutput, HeadWithLoss, build_trainable_head, frozen_output, head_config_for
 from eyas.train.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint, uses_engine_state
-from eyas.train.fastpath import valid_row_labels
+from eyas.train.fastpath import draft_first_lm_head, valid_row_labels
 from eyas.train.metrics import AccuracyMeter, make_logger
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,7 @@ class FeatureSource:
         self.target_model = target_model
         self.aux_layer_ids = aux_layer_ids
         self.output = output
-        self.draft_ids = head.draft_token_ids()
-        self.t2d = head.t2d if head.config.uses_vocab_map else None
+        self.lm_head = draft_first_lm_head(output.lm_head_weight, head.draft_token_ids())
 
     @torch.no_grad()
     def complete(self, batch: dict):
@@ -68,8 +67,8 @@ class FeatureSource:
 
             batch["aux"], batch["last"] = compute_features(self.target_model, batch["input_ids"],
                                                            batch["attention_mask"], self.aux_layer_ids)
-        labels = valid_row_labels(batch["last"], self.output.norm, self.output.lm_head_weight, self.draft_ids, self.t2d,
-                               batch["loss_mask"], batch["attention_mask"])
+        labels = valid_row_labels(batch["last"], self.output.norm, self.lm_head, batch["loss_mask"],
+                                  batch["attention_mask"])
         return batch, labels
 
 

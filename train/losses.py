@@ -93,6 +93,39 @@ def soft_cross_entropy(draft_logits: torch.Tensor, target_logits: torch.Tensor, 
     return -(p * q).sum(-1).mean()
 
 
+class _SoftCrossEntropyRows(torch.autograd.Function):
+    """Per-row soft cross-entropy with its gradient `softmax(z) - p` written by hand:
+    autograd's version of -(p * log_softmax(z)).sum(-1) keeps several float32 [N, V]
+    buffers alive and makes as many passes over them; this keeps log q only."""
+
+    @staticmethod
+    def forward(ctx, logits, probs):
+        with torch.autocast(logits.device.type, enabled=False):
+            logq = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+            ce = -(probs.to(logq.dtype) * logq).sum(-1)
+            top = logq.max(-1).indices
+        ctx.save_for_backward(logq, probs)
+        ctx.logits_dtype = logits.dtype
+        ctx.mark_non_differentiable(top)
+        return ce, top
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_ce, _grad_top):
+        logq, probs = ctx.saved_tensors
+        grad = logq.exp().sub_(probs.to(logq.dtype)).mul_(grad_ce[:, None].to(logq.dtype))
+        return grad.to(ctx.logits_dtype), None
+
+
+def soft_cross_entropy_rows(logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-Σ_v p(v) log softmax(z)(v) per row, and the draft argmax per row.
+
+    logits [N, V] (any float dtype, e.g. bf16 under autocast); probs [N, V] the target
+    distribution (rows sum to 1, no gradient). Returns (ce [N] in >= float32, with a
+    gradient to `logits`; argmax [N] long)."""
+    return _SoftCrossEntropyRows.apply(logits, probs)
+
+
 def argmax_accuracy(draft_logits: torch.Tensor, target_argmax: torch.Tensor, valid: torch.Tensor) -> tuple[int, int]:
     """(hits, count): draft argmax == target argmax over valid slots."""
     hits = ((draft_logits.argmax(-1) == target_argmax) & valid).sum()

@@ -13,7 +13,6 @@ import torch
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.layers import TTTMask
 from eyas.train.losses import TargetLabels, argmax_accuracy, soft_cross_entropy
-from eyas.train.masks import causal_padding_mask
 
 
 @dataclass
@@ -43,7 +42,7 @@ def ttt_unroll(head: Eagle3Head, input_ids, attention_mask, aux, steps: int):
     at slot t (step 0: fc of the target's features at t).
     """
     b, t = input_ids.shape
-    mask = TTTMask(causal_padding_mask(attention_mask))
+    mask = TTTMask(attention_mask)
     cache = head.new_cache()
     positions = torch.arange(t, device=input_ids.device)[None].expand(b, t)
     hid = head.combine_aux(aux)
