@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     setup_logging(args.verbose)
+    from eyas.allocator import keep_freed_memory
     from eyas.recipe import RecipeError
+
+    keep_freed_memory()
 
     try:
         return int(args._run(args) or 0)

@@ -107,47 +107,57 @@ class TTTMask:
     only kept from empty softmax rows (each sees its own slot), never hidden, which lets
     a right-padded batch (the collator's layout) run step 0 as plain causal attention:
     a real query's keys s <= t are all real there.
+
+    Queries are taken in blocks of `block` slots: block [i0, i1) needs only the step-0
+    keys [0, i1) and its own stretch [i0, i1) of each diagonal chunk, so a step costs
+    ~T²/2 + k·T·block scores instead of (k+1)·T².
     """
 
-    def __init__(self, attention_mask: torch.Tensor):
+    def __init__(self, attention_mask: torch.Tensor, block: int = 64):
         real = attention_mask.bool()
         self.length = real.shape[1]
         self.real = real
+        self.block = block
         self.right_padded = bool((real[:, 1:] <= real[:, :-1]).all())
-        self._masks: dict[int, torch.Tensor | None] = {}
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}
 
-    def for_step(self, k: int) -> torch.Tensor | None:
-        """The mask of step k, `[B|1, 1, T, (k+1)·T]` bool (True = may attend), or None
-        for step 0 of a right-padded batch (causal attention needs no mask)."""
-        if k not in self._masks:
-            t, device = self.length, self.real.device
-            causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-            eye = torch.eye(t, dtype=torch.bool, device=device)
-            if self.right_padded:
-                if k == 0:
-                    self._masks[k] = None
-                else:
-                    self._masks[k] = torch.cat([causal] + [eye] * k, dim=-1)[None, None]
+    def blocks(self) -> list[tuple[int, int]]:
+        return [(i0, min(i0 + self.block, self.length)) for i0 in range(0, self.length, self.block)]
+
+    def for_block(self, k: int, i0: int, i1: int) -> torch.Tensor:
+        """The mask of step k for queries [i0, i1): `[B|1, 1, i1-i0, i1 + k·(i1-i0)]` bool
+        (True = may attend) over step-0 keys [0, i1) then each step's keys [i0, i1)."""
+        if (k, i0) not in self._masks:
+            device = self.real.device
+            rows = torch.arange(i0, i1, device=device)[:, None]
+            step0 = torch.arange(i1, device=device)[None, :] <= rows  # [c, i1]
+            if not self.right_padded:
+                step0 = step0[None] & (self.real[:, None, :i1] | (torch.arange(i1, device=device) == rows)[None])
             else:
-                step0 = causal[None] & (self.real[:, None, :] | eye[None])  # real keys, and a padding query itself
-                self._masks[k] = torch.cat([step0] + [eye.expand_as(step0)] * k, dim=-1)[:, None]
-        return self._masks[k]
+                step0 = step0[None]
+            eye = torch.eye(i1 - i0, dtype=torch.bool, device=device).expand(step0.shape[0], -1, -1)
+            self._masks[(k, i0)] = torch.cat([step0] + [eye] * k, dim=-1)[:, None]
+        return self._masks[(k, i0)]
 
 
 def _ttt_attention(q, cache: LayerCache, mask: TTTMask, scale: float) -> torch.Tensor:
     """q [B, H, T, d]; cache chunks [B, Hkv, T, d] (chunk 0 = step 0, chunk j = step j).
 
-    One fused SDPA call over the concatenated chunks: the dense (k+1)·T key axis costs
-    less than scoring the diagonals apart, because the fused kernel never writes the
-    [B, H, T, (k+1)·T] scores and their float32 softmax out to memory.
+    Fused SDPA calls only: step 0 of a right-padded batch is one causal call; otherwise
+    one masked call per query block (see `TTTMask`). Never writes the float32 scores of
+    a [B, H, T, (k+1)·T] key axis out to memory, which the unfused softmax would.
     """
     k = len(cache.k) - 1
-    keys = torch.cat(cache.k, dim=2) if k else cache.k[0]
-    values = torch.cat(cache.v, dim=2) if k else cache.v[0]
-    attn_mask = mask.for_step(k)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=scale,
-                                          is_causal=attn_mask is None,
-                                          enable_gqa=q.shape[1] != keys.shape[1])
+    gqa = q.shape[1] != cache.k[0].shape[1]
+    if k == 0 and mask.right_padded:
+        return F.scaled_dot_product_attention(q, cache.k[0], cache.v[0], scale=scale, is_causal=True, enable_gqa=gqa)
+    outs = []
+    for i0, i1 in mask.blocks():
+        keys = torch.cat([cache.k[0][:, :, :i1]] + [c[:, :, i0:i1] for c in cache.k[1:]], dim=2)
+        values = torch.cat([cache.v[0][:, :, :i1]] + [c[:, :, i0:i1] for c in cache.v[1:]], dim=2)
+        outs.append(F.scaled_dot_product_attention(q[:, :, i0:i1], keys, values, attn_mask=mask.for_block(k, i0, i1),
+                                                   scale=scale, enable_gqa=gqa))
+    return torch.cat(outs, dim=2)
 
 
 class Attention(nn.Module):

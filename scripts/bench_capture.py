@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from eyas.allocator import keep_freed_memory
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,6 +37,7 @@ def main() -> int:
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--repeats", type=int, default=4, help="timed rounds of each (the best counts)")
     args = ap.parse_args()
+    keep_freed_memory()  # as every `eyas` command does
 
     from eyas.data.cache import FeatureCache, bytes_per_token, dequantize_fp8, quantize_fp8
     from eyas.data.capture import _pad_batch, capture_split, plan_capture

@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from eyas.allocator import keep_freed_memory
+
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.peagle import build_head
 
@@ -73,6 +75,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="accepted for symmetry; output is always JSON")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as every `eyas` command does
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

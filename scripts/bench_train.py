@@ -5,7 +5,8 @@ loop), against the target's forward-only rate on the same batches. Prints JSON.
 
 Keys: train_tokens_per_s {offline, online}, forward_tokens_per_s, flop_ratio {offline,
 online} (measured step time / the time the step's FLOPs take at the target-forward FLOP
-rate), peak_rss_mb, plus the settings. The reference work: offline, TTT 3, draft vocab
+rate; best of `--rounds` each), flop_ratio_median_paired (the median over rounds of the
+same ratio within one round), seconds (per mode and round), peak_rss_mb, plus the settings. The reference work: offline, TTT 3, draft vocab
 8192, sequences of 512 ShareGPT tokens. Timings are noisy when other jobs share the CPU:
 the script prints the load average it saw.
 """
@@ -16,9 +17,12 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import time
 
 import torch
+
+from eyas.allocator import keep_freed_memory
 
 
 def sharegpt_batches(tokenizer, n_batches: int, batch: int, seq: int):
@@ -72,7 +76,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--modes", default="offline,online")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over every mode, in rotating order; best and paired median reported")
     args = ap.parse_args()
+    keep_freed_memory()  # as every `eyas` command does
+    loadavg_before = os.getloadavg()[0]
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -104,13 +111,6 @@ def main() -> None:
 
     # the offline "cache": aux / last per batch, kept in memory
     cached = [features.complete(dict(b))[0] for b in batches]
-    t_fwd = 0.0
-    for i, b in enumerate(batches):  # the pure target forward, without labels
-        t0 = time.perf_counter()
-        compute_features(target.model, b["input_ids"], b["attention_mask"], head.config.aux_layer_ids)
-        if i:
-            t_fwd += time.perf_counter() - t0
-    forward_tps = timed_tokens / t_fwd
 
     def step(batch):
         full, labels = features.complete(batch)
@@ -121,25 +121,42 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    result = {"settings": {"ttt_steps": args.ttt, "draft_vocab_size": args.draft_vocab, "seq": args.seq,
-                           "batch": args.batch, "timed_steps": args.steps, "threads": torch.get_num_threads(),
-                           "loadavg_before": os.getloadavg()[0]},
-              "train_tokens_per_s": {}, "forward_tokens_per_s": forward_tps, "flop_ratio": {}}
-    f_target = target_flops_per_token(target.model, args.seq)
-    f_train = train_flops_per_token(head, args.seq, args.ttt, vt)
-    for mode in [m for m in args.modes.split(",") if m]:
-        src = cached if mode == "offline" else batches
+    def run(mode: str) -> float:
+        """Seconds over batches 1.. (batch 0 warms up) of one mode."""
         elapsed = 0.0
-        for i, b in enumerate(src):
-            b = dict(b) if mode == "offline" else {k: v for k, v in b.items()}
+        for i, b in enumerate(cached if mode == "offline" else batches):
+            b = dict(b)
             t0 = time.perf_counter()
-            step(b)
+            if mode == "forward":  # the pure target forward, without labels
+                compute_features(target.model, b["input_ids"], b["attention_mask"], head.config.aux_layer_ids)
+            else:
+                step(b)
             if i:
                 elapsed += time.perf_counter() - t0
-        result["train_tokens_per_s"][mode] = timed_tokens / elapsed
+        return elapsed
+
+    modes = ["forward"] + [m for m in args.modes.split(",") if m]
+    seconds: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(args.rounds):  # rotate the order: drift on a shared CPU hits every mode alike
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+            seconds[mode].append(run(mode))
+
+    f_target = target_flops_per_token(target.model, args.seq)
+    f_train = train_flops_per_token(head, args.seq, args.ttt, vt)
+    best_fwd = min(seconds["forward"])
+    result = {"settings": {"ttt_steps": args.ttt, "draft_vocab_size": args.draft_vocab, "seq": args.seq,
+                           "batch": args.batch, "timed_steps": args.steps, "rounds": args.rounds,
+                           "threads": torch.get_num_threads(), "loadavg_before": loadavg_before},
+              "train_tokens_per_s": {}, "forward_tokens_per_s": timed_tokens / best_fwd, "flop_ratio": {},
+              "flop_ratio_median_paired": {}, "seconds": seconds}
+    for mode in modes[1:]:
         flops = f_train + (f_target if mode == "online" else 0.0)
-        predicted = flops * timed_tokens / (f_target * forward_tps)
-        result["flop_ratio"][mode] = elapsed / predicted
+        # the time the mode's FLOPs take at the target-forward FLOP rate of the same round
+        predicted = [fwd * flops / f_target for fwd in seconds["forward"]]
+        result["train_tokens_per_s"][mode] = timed_tokens / min(seconds[mode])
+        result["flop_ratio"][mode] = min(seconds[mode]) / (best_fwd * flops / f_target)
+        result["flop_ratio_median_paired"][mode] = statistics.median(
+            s / p for s, p in zip(seconds[mode], predicted))
     result["flops_per_token"] = {"target_forward": f_target, "train_step_offline": f_train}
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["settings"]["loadavg_after"] = os.getloadavg()[0]

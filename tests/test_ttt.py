@@ -94,3 +94,30 @@ def test_draft_leaves_only_step0_entries_in_cache():
     assert cache.length == 6
     ids2, _ = head.draft(cache, torch.randint(0, 50, (1, 2)), torch.randn(1, 2, 72), torch.arange(6, 8)[None], k=3)
     assert cache.length == 8 and ids2.shape == (1, 3)
+
+
+@pytest.mark.parametrize("block", [2, 3, 64])
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_blocked_ttt_attention_equals_dense_mask(block, padding):
+    """Query blocks of any size (a ragged last one included) give the attention of SDPA
+    over the whole flattened key axis under the dense TTT mask, on real slots."""
+    import torch.nn.functional as F
+
+    from eyas.heads.layers import LayerCache, _ttt_attention
+
+    torch.manual_seed(2)
+    b, h, hkv, t, d, k = 2, 4, 2, 7, 8, 3
+    am = torch.ones(b, t, dtype=torch.long)
+    if padding == "right":
+        am[1, 5:] = 0
+    else:
+        am[1, :2] = 0
+    q = torch.randn(b, h, t, d, dtype=torch.double)
+    cache = LayerCache()
+    for _ in range(k + 1):
+        cache.append(torch.randn(b, hkv, t, d, dtype=torch.double), torch.randn(b, hkv, t, d, dtype=torch.double))
+    got = _ttt_attention(q, cache, TTTMask(am, block), 0.3)
+    keys, values = torch.cat(cache.k, 2), torch.cat(cache.v, 2)
+    want = F.scaled_dot_product_attention(q, keys, values, attn_mask=ttt_dense_mask(am, k), scale=0.3, enable_gqa=True)
+    real = am.bool()[:, None, :, None].expand_as(got)
+    torch.testing.assert_close(got[real], want[real])
