@@ -3,11 +3,11 @@
 A SmolLM2-sized head (H=576, 9 heads / 3 kv heads / head_dim 64, intermediate 1536,
 Vt 49152) with a prefix of step-0 entries already in its KV cache; each timed call feeds
 one newly verified slot and drafts K tokens, then the cache is cropped back. Prints JSON:
-per K the median seconds of both heads and `ratio_k{K}` = P-EAGLE / chain (same number of
+per K the median seconds of every head (the heads take turns over `--rounds`) and `ratio_k{K}` = P-EAGLE / chain (same number of
 layers), and `shipped_ratio_k{K}` for the P-EAGLE head as the recipes ship it
 (`--shipped-layers`) against a 1-layer EAGLE-3 chain. Goal: ratio_kK <= 1.5 / K.
 
-    python scripts/bench_draft.py [--device cuda] [--draft-vocab 32000] [--prefix 300]
+    python scripts/bench_draft.py [--device cuda] [--dtype bfloat16|float32] [--draft-vocab 32000] [--prefix 300]
 """
 
 from __future__ import annotations
@@ -40,38 +40,56 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def time_draft(head, k: int, prefix: int, device: torch.device, dtype: torch.dtype, warmup: int, repeats: int) -> float:
-    """Median seconds of one `head.draft` of k tokens after `prefix` cached step-0 entries."""
+def draft_timer(head, k: int, prefix: int, device: torch.device, dtype: torch.dtype):
+    """A function timing one `head.draft` of k tokens after `prefix` cached step-0
+    entries (seconds); the cache is cropped back after each call."""
     gen = torch.Generator().manual_seed(0)
-    n_aux = head.config.fc_in_features
     tokens = torch.randint(0, head.config.vocab_size, (1, prefix + 1), generator=gen).to(device)
-    aux = torch.randn(1, prefix + 1, n_aux, generator=gen).to(device, dtype)
+    aux = torch.randn(1, prefix + 1, head.config.fc_in_features, generator=gen).to(device, dtype)
     positions = torch.arange(prefix + 1, device=device)[None]
     cache = head.new_cache()
     head.forward_step(tokens[:, :prefix], head.combine_aux(aux[:, :prefix]), positions[:, :prefix], cache)
-    times = []
-    for i in range(warmup + repeats):
+
+    @torch.inference_mode()
+    def once() -> float:
         _sync(device)
         start = time.perf_counter()
         head.draft(cache, tokens[:, prefix:], aux[:, prefix:], positions[:, prefix:], k)
         _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
         cache.crop(prefix)
-    return statistics.median(times)
+        return elapsed
+
+    return once
+
+
+def time_heads(heads: dict, k: int, prefix: int, device, dtype, warmup: int, repeats: int, rounds: int) -> dict:
+    """Median seconds per head of a k-token draft. The heads take turns, `repeats` calls
+    each per round, so drift of a shared machine falls on all of them alike."""
+    timers = {name: draft_timer(h, k, prefix, device, dtype) for name, h in heads.items()}
+    for timer in timers.values():
+        for _ in range(warmup):
+            timer()
+    times = {name: [] for name in heads}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            times[name].extend(timer() for _ in range(repeats))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                        help="the heads' dtype (bf16: what vLLM serves them in)")
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--prefix", type=int, default=300)
     parser.add_argument("--layers", type=int, default=1, help="layers of both heads in the like-for-like comparison")
     parser.add_argument("--shipped-layers", type=int, default=2, help="layers of the P-EAGLE head the recipes ship")
     parser.add_argument("--ks", type=int, nargs="+", default=[3, 5, 7])
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=10, help="calls per head per round")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="accepted for symmetry; output is always JSON")
     args = parser.parse_args(argv)
@@ -79,7 +97,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = getattr(torch, args.dtype)
 
     torch.manual_seed(0)
     heads = {
@@ -93,7 +111,7 @@ def main(argv=None) -> int:
     out = {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "draft_vocab": args.draft_vocab,
            "prefix": args.prefix, "layers": args.layers, "shipped_layers": args.shipped_layers, "seconds": {}}
     for k in args.ks:
-        secs = {name: time_draft(h, k, args.prefix, device, dtype, args.warmup, args.repeats) for name, h in heads.items()}
+        secs = time_heads(heads, k, args.prefix, device, dtype, args.warmup, args.repeats, args.rounds)
         out["seconds"][f"k{k}"] = secs
         out[f"ratio_k{k}"] = secs["peagle"] / secs["chain"]
         out[f"shipped_ratio_k{k}"] = secs["peagle_shipped"] / secs["chain_1layer"]
