@@ -56,15 +56,16 @@ def target_flops_per_token(model, seq: int) -> float:
     return 2 * weights + attn
 
 
-def train_flops_per_token(head, seq: int, ttt: int, vt: int) -> float:
-    """Labels (full-vocabulary logits of the frozen LM head) + forward/backward of `ttt`
-    unrolled head steps (x3 for the backward)."""
+def train_flops_per_token(head, seq: int, ttt: int, vt: int, loss_share: float) -> float:
+    """Labels (the frozen LM head over the full vocabulary) + forward/backward (x3) of `ttt`
+    unrolled head steps. The labels and the head's LM head are only needed at slots that
+    carry loss (`loss_share` of the tokens); the trunk and attention run at every slot."""
     c = head.config
     layer = sum(p.numel() for p in head.layers.parameters() if p.dim() >= 2)
-    per_step = 2 * layer + 2 * c.hidden_size * c.draft_vocab_size
+    per_step = 2 * layer + loss_share * 2 * c.hidden_size * c.draft_vocab_size
     attn = sum(4 * (seq / 2 + k) * c.num_attention_heads * c.head_dim for k in range(ttt))
     fc = 2 * c.fc_in_features * c.hidden_size
-    return 2 * c.target_hidden_size * vt + 3 * (fc + ttt * per_step + attn)
+    return loss_share * 2 * c.target_hidden_size * vt + 3 * (fc + ttt * per_step + attn)
 
 
 def main() -> None:
@@ -142,7 +143,10 @@ def main() -> None:
             seconds[mode].append(run(mode))
 
     f_target = target_flops_per_token(target.model, args.seq)
-    f_train = train_flops_per_token(head, args.seq, args.ttt, vt)
+    # slots whose next token is real and in the loss mask: where labels and LM-head rows are needed
+    loss_share = sum(int((b["loss_mask"][:, 1:].bool() & b["attention_mask"][:, 1:].bool()).sum())
+                     for b in batches[1:]) / timed_tokens
+    f_train = train_flops_per_token(head, args.seq, args.ttt, vt, loss_share)
     best_fwd = min(seconds["forward"])
     result = {"settings": {"ttt_steps": args.ttt, "draft_vocab_size": args.draft_vocab, "seq": args.seq,
                            "batch": args.batch, "timed_steps": args.steps, "rounds": args.rounds,
@@ -157,7 +161,7 @@ def main() -> None:
         result["flop_ratio"][mode] = min(seconds[mode]) / (best_fwd * flops / f_target)
         result["flop_ratio_median_paired"][mode] = statistics.median(
             s / p for s, p in zip(seconds[mode], predicted))
-    result["flops_per_token"] = {"target_forward": f_target, "train_step_offline": f_train}
+    result["flops_per_token"] = {"target_forward": f_target, "train_step_offline": f_train, "loss_share": loss_share}
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["settings"]["loadavg_after"] = os.getloadavg()[0]
     print(json.dumps(result, indent=1))
