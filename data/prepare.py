@@ -8,6 +8,8 @@ Output directory (`run_dir/prepared`):
                            tokens of the train split — read it with `load_token_frequencies`
   drop_report.json         rows read / kept / dropped per reason (reader and renderer)
   meta.json                target, tokenizer vocabulary size, counts, settings
+  eval_prompts.jsonl       the eval split's conversations ({"id", "messages"} per line), an
+                           `eyas eval --workload` of prompts from the training distribution
   regenerated.jsonl        (regeneration only) the target's replies; resumable
 """
 
@@ -28,13 +30,14 @@ log = logging.getLogger(__name__)
 
 
 def render_all(tokenizer, conversations, max_length: int, train_on: str, report: DropReport,
-               progress: bool = True, truncate: bool = False) -> tuple[list[list[int]], list[list[int]]]:
-    """Render every conversation; failures are dropped and counted on `report`, and so are
-    the samples cut to `max_length` (with `truncate`)."""
+               progress: bool = True, truncate: bool = False) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Render every conversation -> (input ids, loss masks, index of each rendered
+    conversation in `conversations`). Failures are dropped and counted on `report`; the
+    samples cut to `max_length` (with `truncate`) are counted too."""
     from tqdm.auto import tqdm
 
-    ids, masks = [], []
-    for conv in tqdm(conversations, desc="render", unit="conv", disable=not progress):
+    ids, masks, kept = [], [], []
+    for i, conv in enumerate(tqdm(conversations, desc="render", unit="conv", disable=not progress)):
         try:
             r = render_with_mask(tokenizer, conv, train_on, max_length, truncate=truncate)
         except TemplateError as err:
@@ -45,7 +48,8 @@ def render_all(tokenizer, conversations, max_length: int, train_on: str, report:
             report.repaired["truncated_to_max_length"] += 1
         ids.append(r.input_ids)
         masks.append(r.loss_mask)
-    return ids, masks
+        kept.append(i)
+    return ids, masks, kept
 
 
 def keep_first_turns(conversation: list[dict], max_turns: int) -> list[dict]:
@@ -126,8 +130,8 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(recipe.target.name_or_path),
                                                   trust_remote_code=recipe.target.trust_remote_code)
-    ids, masks = render_all(tokenizer, conversations, cfg.max_length, cfg.train_on, report, progress,
-                            truncate=cfg.over_length == "truncate")
+    ids, masks, kept = render_all(tokenizer, conversations, cfg.max_length, cfg.train_on, report, progress,
+                                  truncate=cfg.over_length == "truncate")
     (out_dir / "drop_report.json").write_text(json.dumps(report.as_dict(), indent=1) + "\n")
     log.info("prepared: %s", report.summary())
     if not ids:
@@ -143,6 +147,11 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
     # An empty split is left out: `datasets` cannot reload a zero-row Arrow split.
     dd = datasets.DatasetDict({name: split(idx) for name, idx in (("train", train_idx), ("eval", eval_idx)) if idx})
     dd.save_to_disk(str(out_dir / "dataset"))
+    # The held-out conversations as an eval workload (`eyas eval --workload <this file>`):
+    # what the trainer's held-out accuracy predicts, beside MT-bench's shift of topic.
+    with open(out_dir / "eval_prompts.jsonl", "w", encoding="utf-8") as f:
+        for i in eval_idx:
+            f.write(json.dumps({"id": f"eval-{i}", "messages": conversations[kept[i]]}, ensure_ascii=False) + "\n")
     vocab = max(len(tokenizer), max(max(r) for r in ids) + 1, _config_vocab_size(recipe))
     freqs = token_frequencies([ids[i] for i in train_idx], [masks[i] for i in train_idx], vocab)
     save_file({"freqs": freqs}, str(out_dir / "token_freqs.safetensors"))

@@ -58,6 +58,14 @@ def test_prepare_cli_writes_dataset_freqs_and_drop_report(tiny_llama_dir, tmp_pa
     tok = byte_tokenizer()
     assert freqs[tok.convert_tokens_to_ids("x")] == 24 * 5 and freqs[tok.convert_tokens_to_ids("<|im_end|>")] == 24
 
+    # The held-out conversations double as an eval workload, in the eval split's order.
+    from eyas.eval.workloads import load_workload
+
+    prompts = load_workload(str(run / "prepared" / "eval_prompts.jsonl"))
+    assert len(prompts) == len(dd["eval"]) == 3
+    for prompt, row in zip(prompts, dd["eval"]):
+        assert prompt.turns and all(turn in tok.decode(row["input_ids"]) for turn in prompt.turns)
+
     # The captured cache lines up with the prepared data.
     assert main(["capture", "--no-progress", *args, "data.shard_tokens=2000"]) == 0
     from eyas.data.cache import FeatureCache

@@ -7,7 +7,8 @@ template and marks the assistant tokens. With data.regenerate.enabled=true the
 assistant turns are first replaced by the target's own replies (resumable).
 
 Writes under run_dir/prepared/: dataset/ (train + eval splits), token_freqs.safetensors,
-drop_report.json (rows dropped per reason), meta.json.
+drop_report.json (rows dropped per reason), meta.json, and eval_prompts.jsonl (the eval
+split's conversations, a workload for `eyas eval --workload`).
 
 examples:
   eyas prepare run_dir=runs/smol data.sources=[sharegpt] data.max_samples=2000
