@@ -11,6 +11,7 @@ Attention accepts three kinds of `mask`:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -189,10 +190,8 @@ class Attention(nn.Module):
         else:
             keys, values = cache.concatenated()
             if _is_block_mask(mask):
-                from torch.nn.attention.flex_attention import flex_attention
-
-                out = flex_attention(q, keys, values, block_mask=mask, scale=scale,
-                                     enable_gqa=self.num_heads != self.num_kv_heads)
+                out = _compiled_flex_attention()(q, keys, values, block_mask=mask, scale=scale,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
             else:
                 if mask is None and t > 1 and keys.shape[2] > t:
                     mask = prefix_causal_mask(t, keys.shape[2], x.device)
@@ -208,6 +207,15 @@ def prefix_causal_mask(num_new: int, num_keys: int, device) -> torch.Tensor:
     """[1, 1, num_new, num_keys]: new query i sees every earlier key and new keys <= i."""
     q = torch.arange(num_new, device=device)[:, None] + (num_keys - num_new)
     return (torch.arange(num_keys, device=device)[None, :] <= q)[None, None]
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """flex_attention compiled once per process: run eagerly it falls back to an unfused
+    reference that materialises every score and skips no masked block."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _is_block_mask(mask) -> bool:
