@@ -79,3 +79,25 @@ def test_soft_cross_entropy_rows_matches_autograd(dtype):
     torch.testing.assert_close(ce, ref_ce.detach())
     torch.testing.assert_close(mine.grad, ref.grad.to(dtype))
     assert torch.equal(top, z.float().argmax(-1))
+
+
+def test_draft_first_labels_validity_and_ties():
+    """A slot counts when a draft token reaches the target's top logit: not when only a
+    token outside the draft vocabulary does, yes on an exact tie; the argmax is the draft
+    index of that token."""
+    from torch import nn
+
+    vt, ht = 6, 6
+    weight = torch.eye(vt)  # logit of token v = the hidden state's v-th entry
+    draft_ids = torch.tensor([1, 3, 4])  # draft index 0, 1, 2
+    last = torch.tensor([[[0.0, 0, 0, 0, 0, 0],
+                          [0, 0, 0, 5, 0, 0],   # top: token 3 (draft index 1)
+                          [0, 0, 0, 2, 0, 7],   # top: token 5, outside the draft vocabulary
+                          [0, 0, 0, 0, 4, 4],   # tie of token 4 (draft) and 5 (outside)
+                          [0, 0, 0, 0, 0, 0]]])
+    mask = torch.ones(1, 5, dtype=torch.long)
+    labels = valid_row_labels(last, nn.Identity(), draft_first_lm_head(weight, draft_ids), mask, mask)
+    # slot s is labelled from the state at s (token s+1 real and in the loss mask); the last slot has none
+    assert labels.valid[0].tolist() == [True, True, False, True, False]
+    assert labels.argmax[0, 1:4].tolist() == [1, -1, 2]
+    torch.testing.assert_close(labels.logits[0, 1], torch.tensor([0.0, 5.0, 0.0]))
