@@ -110,7 +110,8 @@ def ttt_loss_valid_rows(head, batch: dict, labels: TargetLabels, steps: int, dec
         present = label_pos >= 1 + k
         count = int(present.sum())
         if count:
-            queries = (label_rows - (1 + k)).clamp(min=0)  # absent ones read slot 0; weight 0
+            # an absent one reads some other slot (of the previous sample, or slot 0): weight 0
+            queries = (label_rows - (1 + k)).clamp(min=0)
             logits = head.lm_head(normed.reshape(b * t, -1).index_select(0, queries))
             ce, top = soft_cross_entropy_rows(logits, probs)
             loss_k = (ce * present).sum() / count
