@@ -2,12 +2,14 @@
 
 A SmolLM2-sized head (H=576, 9 heads / 3 kv heads / head_dim 64, intermediate 1536,
 Vt 49152) with a prefix of step-0 entries already in its KV cache; each timed call feeds
-one newly verified slot and drafts K tokens, then the cache is cropped back. Prints JSON:
-per K the median seconds of every head (the heads take turns over `--rounds`) and `ratio_k{K}` = P-EAGLE / chain (same number of
-layers), and `shipped_ratio_k{K}` for the P-EAGLE head as the recipes ship it
-(`--shipped-layers`) against a 1-layer EAGLE-3 chain. Goal: ratio_kK <= 1.5 / K.
+one newly verified slot and drafts K tokens, then the cache is cropped back. The heads
+draft in turn, one call each per round, so drift of a shared machine falls on all alike.
+Prints JSON: per K the median seconds of every head and `ratio_k{K}` = P-EAGLE / chain
+(same number of layers), and `shipped_ratio_k{K}` for the P-EAGLE head as the recipes
+ship it (`--shipped-layers`) against a 1-layer EAGLE-3 chain. Goal: ratio_kK <= 1.5 / K.
 
-    python scripts/bench_draft.py [--device cuda] [--dtype bfloat16|float32] [--draft-vocab 32000] [--prefix 300]
+    python scripts/bench_draft.py [--device cuda] [--dtype bfloat16|float32]
+                                  [--draft-vocab 32000] [--prefix 300]
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ loop), against the target's forward-only rate on the same batches. Prints JSON.
 Keys: train_tokens_per_s {offline, online}, forward_tokens_per_s, flop_ratio {offline,
 online} (measured step time / the time the step's FLOPs take at the target-forward FLOP
 rate; best of `--rounds` each), flop_ratio_median_paired (the median over rounds of the
-same ratio within one round), seconds (per mode and round), peak_rss_mb, plus the settings. The reference work: offline, TTT 3, draft vocab
-8192, sequences of 512 ShareGPT tokens. Timings are noisy when other jobs share the CPU:
+same ratio within one round), seconds (per mode and round), peak_rss_mb, plus the
+settings. The reference work: offline, TTT 3, draft vocab 8192, sequences of 512
+ShareGPT tokens. Timings are noisy when other jobs share the CPU:
 the script prints the load average it saw.
 """
 
@@ -77,7 +78,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--modes", default="offline,online")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds over every mode, in rotating order; best and paired median reported")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds over every mode, in rotating order; best and paired median reported")
     args = ap.parse_args()
     keep_freed_memory()  # as every `eyas` command does
     loadavg_before = os.getloadavg()[0]
