@@ -122,6 +122,10 @@ class TrainSection(_Section):
     eval_batches: Optional[int] = None  # cap on eval micro-batches per evaluation (None: the whole split)
     resume: bool = True  # continue from the newest checkpoint in run_dir/checkpoints
     cpu_threads: Optional[int] = None  # torch intra-op threads on CPU (None: torch's default)
+    # The soft cross-entropy kernels through torch.compile (a C++ toolchain on CPU). auto:
+    # on CPU, once its rows are big enough to repay a ~10-30 s first compile; eager on a
+    # compile failure. on: on any device. off: eager.
+    compile_loss: Literal["auto", "on", "off"] = "auto"
 
 
 class ExportSection(_Section):

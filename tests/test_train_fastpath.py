@@ -60,18 +60,22 @@ def test_fast_path_equals_reference(opts, vd):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_soft_cross_entropy_rows_matches_autograd(dtype):
+def test_soft_cross_entropy_rows_matches_autograd(dtype, compile_mode):
     """The hand-written backward equals autograd's gradient of -(p * log_softmax(z)).sum(-1),
-    per-row weights included; the argmax is the row's top logit."""
+    per-row weights included, run eagerly and through torch.compile; the argmax is the
+    row's top logit."""
+    from eyas.train import losses
     from eyas.train.losses import soft_cross_entropy_rows
 
     torch.manual_seed(3)
-    z = (3 * torch.randn(6, 40)).to(dtype)
-    p = torch.softmax(torch.randn(6, 40, dtype=torch.float64), -1).float()
+    z = (3 * torch.randn(6, 256)).to(dtype)
+    p = torch.softmax(torch.randn(6, 256, dtype=torch.float64), -1).float()
     w = torch.rand(6)
     mine = z.clone().requires_grad_()
-    ce, top = soft_cross_entropy_rows(mine, p)
+    ce, top = soft_cross_entropy_rows(mine, p, compile_mode)
+    assert not losses._compile_failed, losses._compile_failed
     (ce * w).sum().backward()
     ref = z.clone().to(torch.promote_types(dtype, torch.float32)).requires_grad_()
     ref_ce = -(p.to(ref.dtype) * torch.log_softmax(ref, -1)).sum(-1)
@@ -79,6 +83,60 @@ def test_soft_cross_entropy_rows_matches_autograd(dtype):
     torch.testing.assert_close(ce, ref_ce.detach())
     torch.testing.assert_close(mine.grad, ref.grad.to(dtype))
     assert torch.equal(top, z.float().argmax(-1))
+
+
+def test_a_failed_loss_compile_falls_back_to_the_same_math_with_one_warning(monkeypatch, caplog):
+    from eyas.train import losses
+
+    def broken():
+        def fail(*args):
+            raise RuntimeError("no C++ compiler")
+        return fail, fail
+
+    monkeypatch.setattr(losses, "_compiled_soft_ce", broken)
+    monkeypatch.setattr(losses, "_compile_failed", [])
+    torch.manual_seed(4)
+    z, p = torch.randn(5, 130), torch.softmax(torch.randn(5, 130), -1)
+    with caplog.at_level("WARNING", logger="eyas.train.losses"):
+        runs = []
+        for _ in range(2):
+            logits = z.clone().requires_grad_()
+            ce, top = losses.soft_cross_entropy_rows(logits, p, "on")
+            ce.sum().backward()
+            runs.append((ce.detach(), top, logits.grad))
+    eager = z.clone().requires_grad_()
+    ce, top = losses.soft_cross_entropy_rows(eager, p, "off")
+    ce.sum().backward()
+    for got in runs:
+        torch.testing.assert_close(got[0], ce.detach())
+        assert torch.equal(got[1], top)
+        torch.testing.assert_close(got[2], eager.grad)
+    warnings = [r for r in caplog.records if "torch.compile of the soft cross-entropy failed" in r.getMessage()]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0].getMessage()
+
+
+def test_auto_loss_compilation_only_for_large_cpu_rows():
+    """auto compiles only where a compile repays itself: CPU logits of >= 4M elements."""
+    from eyas.train.losses import _use_compiled
+
+    big, small = torch.empty(1024, 8192), torch.empty(64, 8192)
+    assert _use_compiled("auto", big) and not _use_compiled("auto", small)
+    assert _use_compiled("on", small) and not _use_compiled("off", big)
+    assert not _use_compiled("auto", torch.empty(1024, 8192, device="meta"))
+
+
+def test_argmax_rows_is_the_first_maximum():
+    from eyas.sampling import argmax_rows
+
+    torch.manual_seed(5)
+    x = torch.randn(37, 1024)
+    x[3, 700] = x[3, 5] = 99.0  # a tie across blocks: the first index wins
+    x[4, 130] = x[4, 129] = 99.0  # a tie inside a block
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    assert argmax_rows(x)[3] == 5 and argmax_rows(x)[4] == 129
+    odd = torch.randn(4, 1000)  # not a multiple of the block: plain argmax
+    assert torch.equal(argmax_rows(odd), odd.argmax(-1))
+    assert torch.equal(argmax_rows(x.bfloat16()), x.bfloat16().argmax(-1))
 
 
 def test_draft_first_labels_validity_and_ties():

@@ -147,7 +147,8 @@ def segment_keeps(keep: torch.Tensor, t: int, num_depths: int, segment_length: O
         yield keep & ((depth0 & (anchors < a1)) | own), own
 
 
-def _segment_loss(head, elements: PEagleElements, bi, li, target_rows, input_ids, aux, total: int):
+def _segment_loss(head, elements: PEagleElements, bi, li, target_rows, input_ids, aux, total: int,
+                  compile_mode: str = "off"):
     """The segment's share of the loss (sum of its per-element soft CE / total) plus, detached,
     the per-element CE [N] and draft argmax [N] for elements (bi, li)."""
     logits = peagle_forward(head, elements, input_ids, aux)
@@ -156,7 +157,7 @@ def _segment_loss(head, elements: PEagleElements, bi, li, target_rows, input_ids
         return logits.sum() * 0.0, empty, empty.long()
     rows = logits[bi, li]
     acc = torch.promote_types(rows.dtype, torch.float32)  # >= fp32 under bf16 autocast
-    ce, top = soft_cross_entropy_rows(rows, torch.softmax(target_rows.to(acc), dim=-1))
+    ce, top = soft_cross_entropy_rows(rows, torch.softmax(target_rows.to(acc), dim=-1), compile_mode)
     return ce.sum() / total, ce.detach(), top
 
 
@@ -187,7 +188,8 @@ def peagle_loss(head: PEagleHead, batch: dict, labels: TargetLabels, train_cfg, 
         slot, valid = element_label_slots(elements, labels)
         bi, li = (valid & owned).nonzero(as_tuple=True)
         rows = slot[bi, li]
-        args = (head, elements, bi, li, labels.logits[bi, rows], input_ids, aux, total)
+        args = (head, elements, bi, li, labels.logits[bi, rows], input_ids, aux, total,
+                getattr(train_cfg, "compile_loss", "off"))
         if len(segments) > 1:
             seg_loss, ce, pred = checkpoint(_segment_loss, *args, use_reentrant=False)
         else:

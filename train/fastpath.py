@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from eyas.heads.layers import TTTMask
+from eyas.sampling import argmax_rows
 from eyas.train.losses import TargetLabels, soft_cross_entropy_rows
 from eyas.train.ttt import StepStats, shift_left
 
@@ -64,14 +65,14 @@ def valid_row_labels(last_hidden: torch.Tensor, norm: nn.Module, lm_head: DraftF
         r = rows[start:start + chunk_tokens]
         full = norm(flat[r].to(weight.dtype)) @ weight.T  # [n, Vt], draft columns first
         draft = full[:, :vd].float()
-        best = draft.max(-1)
+        best = argmax_rows(draft)
         logits[r] = draft
         if vd < full.shape[1]:
             # amax without indices is several times cheaper than argmax over Vt on CPU
-            inside = best.values >= full[:, vd:].amax(-1).float()
+            inside = draft.amax(-1) >= full[:, vd:].amax(-1).float()
         else:
-            inside = torch.ones_like(best.indices, dtype=torch.bool)
-        argmax[r] = torch.where(inside, best.indices, -1)
+            inside = torch.ones_like(best, dtype=torch.bool)
+        argmax[r] = torch.where(inside, best, -1)
         valid[r] = inside
     return TargetLabels(logits=logits.view(b, t, vd), argmax=argmax.view(b, t), valid=valid.view(b, t))
 
@@ -85,7 +86,8 @@ def _trunk_step(head, input_ids, hidden, positions, cache, mask) -> torch.Tensor
     return h
 
 
-def ttt_loss_valid_rows(head, batch: dict, labels: TargetLabels, steps: int, decay: float) -> StepStats:
+def ttt_loss_valid_rows(head, batch: dict, labels: TargetLabels, steps: int, decay: float,
+                        compile_mode: str = "off") -> StepStats:
     """`ttt_loss` with the LM head and the loss evaluated only on valid query slots.
 
     Every step reads the rows of the valid label slots s in one fixed order: step k's
@@ -113,7 +115,7 @@ def ttt_loss_valid_rows(head, batch: dict, labels: TargetLabels, steps: int, dec
             # an absent one reads some other slot (of the previous sample, or slot 0): weight 0
             queries = (label_rows - (1 + k)).clamp(min=0)
             logits = head.lm_head(normed.reshape(b * t, -1).index_select(0, queries))
-            ce, top = soft_cross_entropy_rows(logits, probs)
+            ce, top = soft_cross_entropy_rows(logits, probs, compile_mode)
             loss_k = (ce * present).sum() / count
             hits = int(((top == label_argmax) & present).sum())
         else:

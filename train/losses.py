@@ -3,10 +3,16 @@ vocabulary, and the soft-label cross-entropy (forward KL up to a constant) again
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from eyas.sampling import argmax_rows
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,19 +99,64 @@ def soft_cross_entropy(draft_logits: torch.Tensor, target_logits: torch.Tensor, 
     return -(p * q).sum(-1).mean()
 
 
+def _soft_ce_forward(logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ce [N], log q [N, V]) in >= float32."""
+    logq = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return -(probs.to(logq.dtype) * logq).sum(-1), logq
+
+
+def _soft_ce_backward(logq: torch.Tensor, probs: torch.Tensor, grad_ce: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """d ce / d logits = (softmax - p) * grad_ce, in the logits' dtype."""
+    return ((logq.exp() - probs.to(logq.dtype)) * grad_ce[:, None].to(logq.dtype)).to(dtype)
+
+
+# Below this many logits a compiled kernel never repays its first compile (tests, tiny heads).
+_COMPILE_MIN_ELEMENTS = 1 << 22
+_compile_failed: list[str] = []  # the error, once a compile has failed in this process
+
+
+@functools.cache
+def _compiled_soft_ce():
+    # dynamic: the number of loss rows changes every step
+    return torch.compile(_soft_ce_forward, dynamic=True), torch.compile(_soft_ce_backward, dynamic=True)
+
+
+def _use_compiled(mode: str, logits: torch.Tensor) -> bool:
+    if mode == "off" or _compile_failed:
+        return False
+    if mode == "auto":
+        return logits.device.type == "cpu" and logits.numel() >= _COMPILE_MIN_ELEMENTS
+    return True
+
+
+def _run_kernel(index: int, compiled: bool, *args):
+    """Kernel `index` (0 forward, 1 backward), compiled when asked; a compile error falls
+    back to the same math run eagerly for the rest of the process, with one warning."""
+    eager = (_soft_ce_forward, _soft_ce_backward)[index]
+    if compiled and not _compile_failed:
+        try:
+            return _compiled_soft_ce()[index](*args)
+        except Exception as err:  # a missing C++ toolchain, an unsupported backend, ...
+            _compile_failed.append(f"{type(err).__name__}: {err}")
+            log.warning("torch.compile of the soft cross-entropy failed; running it eagerly "
+                        "(set train.compile_loss=off to skip the attempt): %s", _compile_failed[0][:500])
+    return eager(*args)
+
+
 class _SoftCrossEntropyRows(torch.autograd.Function):
     """Per-row soft cross-entropy with its gradient `softmax(z) - p` written by hand:
     autograd's version of -(p * log_softmax(z)).sum(-1) keeps several float32 [N, V]
     buffers alive and makes as many passes over them; this keeps log q only."""
 
     @staticmethod
-    def forward(ctx, logits, probs):
+    def forward(ctx, logits, probs, compile_mode):
+        compiled = _use_compiled(compile_mode, logits)
         with torch.autocast(logits.device.type, enabled=False):
-            logq = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-            ce = -(probs.to(logq.dtype) * logq).sum(-1)
-            top = logq.max(-1).indices
+            ce, logq = _run_kernel(0, compiled, logits, probs)
+            top = argmax_rows(logq)
         ctx.save_for_backward(logq, probs)
         ctx.logits_dtype = logits.dtype
+        ctx.compiled = compiled
         ctx.mark_non_differentiable(top)
         return ce, top
 
@@ -113,17 +164,18 @@ class _SoftCrossEntropyRows(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_ce, _grad_top):
         logq, probs = ctx.saved_tensors
-        grad = logq.exp().sub_(probs.to(logq.dtype)).mul_(grad_ce[:, None].to(logq.dtype))
-        return grad.to(ctx.logits_dtype), None
+        return _run_kernel(1, ctx.compiled, logq, probs, grad_ce, ctx.logits_dtype), None, None
 
 
-def soft_cross_entropy_rows(logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def soft_cross_entropy_rows(logits: torch.Tensor, probs: torch.Tensor,
+                            compile_mode: str = "off") -> tuple[torch.Tensor, torch.Tensor]:
     """-Σ_v p(v) log softmax(z)(v) per row, and the draft argmax per row.
 
     logits [N, V] (any float dtype, e.g. bf16 under autocast); probs [N, V] the target
-    distribution (rows sum to 1, no gradient). Returns (ce [N] in >= float32, with a
+    distribution (rows sum to 1, no gradient); compile_mode the recipe's
+    `train.compile_loss` ("auto" / "on" / "off"). Returns (ce [N] in >= float32, with a
     gradient to `logits`; argmax [N] long)."""
-    return _SoftCrossEntropyRows.apply(logits, probs)
+    return _SoftCrossEntropyRows.apply(logits, probs, compile_mode)
 
 
 def argmax_accuracy(draft_logits: torch.Tensor, target_argmax: torch.Tensor, valid: torch.Tensor) -> tuple[int, int]:
