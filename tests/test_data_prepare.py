@@ -165,14 +165,20 @@ def test_capture_skips_online_features_and_missing_eval_split(tiny_llama_dir, tm
     assert len(FeatureCache(run / "cache", "train")) == 5
 
 
-def test_batched_greedy_replies_equal_model_generate_when_rows_stop_early(tiny_llama_dir):
-    """Rows leave the batch when they emit a stop token; the others' replies must not move."""
+PROMPTS = ["a", "hello there", "xyz", "a much longer prompt than the rest"]
+MORE_PROMPTS = PROMPTS + ["b c", "the cat", "one two three", "zz", "q"]
+
+
+@pytest.mark.parametrize("texts", [PROMPTS, MORE_PROMPTS], ids=["4-rows", "9-rows"])
+def test_batched_greedy_replies_equal_model_generate_when_rows_stop_early(tiny_llama_dir, texts):
+    """Rows leave the batch once stopped rows are a quarter of it (at once with 4 rows;
+    with 9, a stopped row first rides along); the others' replies must not move."""
     from eyas.data.regenerate import generate_replies_hf
     from eyas.data.targets import load_target
 
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
     model, tok = target.model, target.tokenizer
-    prompts = [tok(t)["input_ids"] for t in ["a", "hello there", "xyz", "a much longer prompt than the rest"]]
+    prompts = [tok(t)["input_ids"] for t in texts]
     free = generate_replies_hf(model, tok, prompts, 12, 0.0, 1.0)
     # Make a token that some (not all) replies emit mid-way the stop token.
     first_ids = [tok(r)["input_ids"] for r in free]
@@ -194,3 +200,30 @@ def test_batched_greedy_replies_equal_model_generate_when_rows_stop_early(tiny_l
         expected.append(tok.decode(row[:cut], skip_special_tokens=True).strip())
     assert ours == expected
     assert any(len(a) < len(b) for a, b in zip(ours, free))  # some row really stopped early
+
+
+def test_preallocated_kv_cache_gives_the_logits_of_the_growing_cache(tiny_llama_dir):
+    """Prefill, decode steps, a row dropped mid-way and a buffer outgrown (capacity 3):
+    the same logits as transformers' own DynamicCache."""
+    from transformers import DynamicCache
+
+    from eyas.data.regenerate import _preallocated_cache
+    from eyas.data.targets import load_target
+
+    model = load_target(str(tiny_llama_dir), dtype="float32", device="cpu").model
+    torch.manual_seed(0)
+    ids, later = torch.randint(3, 50, (3, 5)), torch.randint(3, 50, (3, 7))
+    results = []
+    for cache in (DynamicCache(config=model.config), _preallocated_cache(model, 3)):
+        steps = [model(input_ids=ids, cache=cache, use_cache=True).logits]
+        rows = torch.arange(3)
+        for step in range(7):  # 12 positions: past the first buffer of 2 x 5
+            if step == 2:  # row 1 leaves the batch
+                rows = torch.tensor([0, 2])
+                cache.batch_select_indices(rows)
+            tok = later[rows, step:step + 1]
+            pos = torch.full((len(rows), 1), 5 + step)
+            steps.append(model(input_ids=tok, position_ids=pos, cache=cache, use_cache=True).logits)
+        results.append(steps)
+    for want, got in zip(*results):
+        torch.testing.assert_close(got, want)
