@@ -10,6 +10,7 @@ records already there (a cut-off last line is ignored) and continues after them.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -44,24 +45,20 @@ def _done_records(path: Path) -> dict[int, list[dict]]:
     return done
 
 
-def _preallocated_cache(model, capacity: int):
-    """A `DynamicCache` whose full-attention layers write into buffers of `capacity`
-    positions instead of concatenating: `DynamicLayer.update` copies the whole cache at
-    every decode step (a third of a batch-64 SmolLM2 step on CPU at 150 positions, more
-    as replies grow). Sliding-window layers, and transformers versions without per-layer
-    cache objects, keep their own behaviour."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
+@functools.cache
+def _preallocated_layer_class():
+    """A transformers `DynamicLayer` that writes into buffers grown by doubling instead of
+    concatenating at every call; None where transformers has no per-layer cache objects."""
     try:
         from transformers.cache_utils import DynamicLayer
     except ImportError:
-        return cache
-    layers = getattr(cache, "layers", None)
-    if not layers:
-        return cache
+        return None
 
     class PreallocatedLayer(DynamicLayer):
+        def __init__(self, capacity: int):
+            super().__init__()
+            self.capacity = capacity
+
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
@@ -69,7 +66,7 @@ def _preallocated_cache(model, capacity: int):
                 self._kbuf = self._vbuf = None
             b, h, n, _ = key_states.shape
             if self._kbuf is None or self._used + n > self._kbuf.shape[2]:
-                size = max(capacity, 2 * (self._used + n))
+                size = max(self.capacity, 2 * (self._used + n))
                 kbuf = key_states.new_empty(b, h, size, key_states.shape[-1])
                 vbuf = value_states.new_empty(b, h, size, value_states.shape[-1])
                 if self._used:
@@ -91,9 +88,25 @@ def _preallocated_cache(model, capacity: int):
             if self.is_initialized and self.keys is not None and self.keys.numel():
                 self._used = self.keys.shape[2]
 
+    return PreallocatedLayer
+
+
+def _preallocated_cache(model, capacity: int):
+    """A `DynamicCache` whose full-attention layers write into buffers of `capacity`
+    positions instead of concatenating: `DynamicLayer.update` copies the whole cache at
+    every decode step (a third of a batch-64 SmolLM2 step on CPU at 150 positions, more
+    as replies grow). Sliding-window layers, and transformers versions without per-layer
+    cache objects, keep their own behaviour."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    layer_class = _preallocated_layer_class()
+    layers = getattr(cache, "layers", None)
+    if layer_class is None or not layers:
+        return cache
     for i, layer in enumerate(layers):
-        if type(layer) is DynamicLayer:
-            layers[i] = PreallocatedLayer()
+        if type(layer) is layer_class.__base__:
+            layers[i] = layer_class(capacity)
     return cache
 
 
