@@ -112,12 +112,20 @@ def test_blocked_ttt_attention_equals_dense_mask(block, padding):
         am[1, 5:] = 0
     else:
         am[1, :2] = 0
-    q = torch.randn(b, h, t, d, dtype=torch.double)
+    q = torch.randn(b, h, t, d, dtype=torch.double, requires_grad=True)
     cache = LayerCache()
     for _ in range(k + 1):
-        cache.append(torch.randn(b, hkv, t, d, dtype=torch.double), torch.randn(b, hkv, t, d, dtype=torch.double))
+        cache.append(torch.randn(b, hkv, t, d, dtype=torch.double, requires_grad=True),
+                     torch.randn(b, hkv, t, d, dtype=torch.double, requires_grad=True))
+    leaves = [q, *cache.k, *cache.v]
     got = _ttt_attention(q, cache, TTTMask(am, block), 0.3)
     keys, values = torch.cat(cache.k, 2), torch.cat(cache.v, 2)
     want = F.scaled_dot_product_attention(q, keys, values, attn_mask=ttt_dense_mask(am, k), scale=0.3, enable_gqa=True)
     real = am.bool()[:, None, :, None].expand_as(got)
     torch.testing.assert_close(got[real], want[real])
+    # gradients too, of a loss over the real query slots only (padding queries carry none)
+    weight = torch.randn(got.shape, dtype=torch.double, generator=torch.Generator().manual_seed(5)) * real
+    grads_got = torch.autograd.grad((got * weight).sum(), leaves)
+    grads_want = torch.autograd.grad((want * weight).sum(), leaves)
+    for i, (a, w) in enumerate(zip(grads_got, grads_want)):
+        torch.testing.assert_close(a, w, msg=f"gradient of leaf {i}")
