@@ -22,7 +22,7 @@ def eagle3_loss(head, batch: dict, labels, train_cfg, generator=None) -> StepSta
     """EAGLE-3 training-time test: `train_cfg.ttt_steps` unrolled steps, weights decay^k
     (`ttt_loss`, evaluated on the valid slots only)."""
     return ttt_loss_valid_rows(head, batch, labels, train_cfg.ttt_steps, train_cfg.ttt_decay,
-                               getattr(train_cfg, "compile_loss", "off"))
+                               train_cfg.compile_loss)
 
 
 _LAZY = {"peagle": ("eyas.train.cod", "peagle_loss")}

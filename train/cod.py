@@ -189,7 +189,7 @@ def peagle_loss(head: PEagleHead, batch: dict, labels: TargetLabels, train_cfg, 
         bi, li = (valid & owned).nonzero(as_tuple=True)
         rows = slot[bi, li]
         args = (head, elements, bi, li, labels.logits[bi, rows], input_ids, aux, total,
-                getattr(train_cfg, "compile_loss", "off"))
+                train_cfg.compile_loss)
         if len(segments) > 1:
             seg_loss, ce, pred = checkpoint(_segment_loss, *args, use_reentrant=False)
         else:

@@ -69,7 +69,7 @@ def valid_row_labels(last_hidden: torch.Tensor, norm: nn.Module, lm_head: DraftF
         logits[r] = draft
         if vd < full.shape[1]:
             # amax without indices is several times cheaper than argmax over Vt on CPU
-            inside = draft.amax(-1) >= full[:, vd:].amax(-1).float()
+            inside = draft.gather(1, best[:, None])[:, 0] >= full[:, vd:].amax(-1).float()
         else:
             inside = torch.ones_like(best, dtype=torch.bool)
         argmax[r] = torch.where(inside, best, -1)
