@@ -34,13 +34,15 @@ def run_eval(model, tokenizer, prompts: list[WorkloadPrompt], drafters: dict, k:
     """Decode every turn of every prompt plainly and with each drafter.
 
     `drafters`: name -> drafter (`HeadDrafter`, `NgramDrafter`). Returns the report body:
-    plain / per-drafter summaries, per-category summaries, the lossless check (greedy only).
+    plain / per-drafter summaries, per-category and per-turn summaries, the lossless check
+    (greedy only).
     """
     eos = stop_token_ids(model, tokenizer)
     device = model.get_output_embeddings().weight.device
     tol = TIE_TOLERANCE.get(model.dtype, 1e-4) if tie_tolerance is None else tie_tolerance
     plain_traces, traces = [], {name: [] for name in drafters}
     by_cat: dict[str, dict[str, list]] = {}
+    by_turn: dict[int, dict[str, list]] = {}
     mismatches, checked = [], 0
     # Warm-up outside the timings (first calls allocate and pick kernels).
     warm = render_turn(tokenizer, prompts[0], [])
@@ -61,11 +63,13 @@ def run_eval(model, tokenizer, prompts: list[WorkloadPrompt], drafters: dict, k:
             plain = greedy_decode(model, ids, max_new_tokens, eos)
             plain_traces.append(plain)
             cat = by_cat.setdefault(prompt.category, {name: [] for name in drafters})
+            per_turn = by_turn.setdefault(turn + 1, {name: [] for name in drafters})
             for name, drafter in drafters.items():
                 gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + seq) if temperature > 0 else None
                 tr = speculative_decode(model, ids, drafter, k, max_new_tokens, eos, temperature, gen)
                 traces[name].append(tr)
                 cat[name].append(tr)
+                per_turn[name].append(tr)
                 if temperature <= 0:
                     checked += 1
                     pos = first_difference(plain.tokens, tr.tokens)
@@ -90,6 +94,8 @@ def run_eval(model, tokenizer, prompts: list[WorkloadPrompt], drafters: dict, k:
         "plain": summarize(plain_traces, k),
         "drafters": {name: summarize(t, k) for name, t in traces.items()},
         "per_category": {c: {n: summarize(t, k) for n, t in d.items()} for c, d in by_cat.items()},
+        # Later turns read the earlier replies (the target's own, plainly decoded) as context.
+        "per_turn": {str(t): {n: summarize(tr, k) for n, tr in d.items()} for t, d in sorted(by_turn.items())},
         "lossless": {
             "checked": checked,
             "tie_tolerance": tol,

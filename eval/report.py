@@ -122,6 +122,10 @@ def format_report(report: dict) -> str:
         lines.append("per category (tau):")
         for cat, by in sorted(cats.items()):
             lines.append("  " + cat + ": " + ", ".join(f"{n} {_fmt(s.get('tau'))}" for n, s in by.items()))
+    turns = report.get("per_turn", {})
+    if len(turns) > 1:
+        lines.append("per turn (tau): " + "; ".join(
+            f"turn {t}: " + ", ".join(f"{n} {_fmt(s.get('tau'))}" for n, s in by.items()) for t, by in turns.items()))
     lossless = report.get("lossless")
     if lossless and lossless.get("checked"):
         lines.append(f"lossless check: {'PASSED' if lossless['passed'] else 'FAILED'} "

@@ -87,6 +87,9 @@ def test_eval_cli_baseline_and_head(tmp_path, tiny_llama_dir, capsys):
     report = json.loads(capsys.readouterr().out)
     assert rc == 0 and report["lossless"]["passed"] and report["lossless"]["checked"] == 8
     assert set(report["drafters"]) == {"head", "ngram"} and set(report["per_category"]) == {"a", "b"}
+    # two turns per prompt: each turn's summary counts one sequence per prompt
+    assert set(report["per_turn"]) == {"1", "2"}
+    assert all(report["per_turn"][t]["head"]["sequences"] == 2 for t in ("1", "2"))
     assert report["num_sequences"] == 4 and report["plain"]["tokens_per_s"] > 0
     assert report["tar"] < 0.3 and any("below 30%" in w for w in report["warnings"])
     for name in ("eval_report.json", "eval_report.md", "eval_report.png"):
