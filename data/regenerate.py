@@ -176,6 +176,16 @@ def generate_replies_vllm(llm, tokenizer, prompts: list[list[int]], max_new_toke
     return [o.outputs[0].text.strip() for o in outs]
 
 
+def _before_first_reply(conversation: list[dict]) -> list[dict]:
+    """The messages before the first assistant turn: what its reply is generated from."""
+    out = []
+    for m in conversation:
+        if m["role"] == "assistant":
+            break
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
 def regenerate(
     conversations: Sequence[list[dict]],
     tokenizer,
@@ -204,19 +214,31 @@ def regenerate(
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = _done_records(out_path)
-    # Similar lengths share a batch, so left padding wastes little (order does not matter
-    # for resume: records are keyed by index).
-    todo = sorted((i for i in range(len(conversations)) if i not in done),
-                  key=lambda i: sum(len(m["content"]) for m in conversations[i][:2]))
+    todo = [i for i in range(len(conversations)) if i not in done]
+    # Batches are formed by the token length of the first prompt to generate from, so left
+    # padding wastes little: sorting by characters of the first two messages let the
+    # dataset's own reply decide, which left ~60% of prefill positions padding.
+    # Conversations whose first prompt is already over the cap take no batch slot.
+    first_prompt = {i: prompt_ids(tokenizer, _before_first_reply(conversations[i])) for i in todo}
+    too_long = [i for i in todo if max_prompt_tokens is not None and len(first_prompt[i]) > max_prompt_tokens]
+    skipped = set(too_long)
+    todo = sorted((i for i in todo if i not in skipped), key=lambda i: len(first_prompt[i]))
     torch.manual_seed(seed)
     llm = None
     if backend == "vllm":
         from vllm import LLM
 
         llm = LLM(model=vllm_model, seed=seed)
-    bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo), desc="regenerate",
+    bar = tqdm(total=len(conversations), initial=len(done), desc="regenerate",
                unit="conv", disable=not progress)
     with open(out_path, "a", encoding="utf-8") as f:
+        if too_long:  # ended before their first reply, as the loop below would end them
+            for i in too_long:
+                f.write(json.dumps({"index": i, "messages": []}) + "\n")
+                done[i] = []
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(len(too_long))
         for start in range(0, len(todo), batch_size):
             batch = todo[start:start + batch_size]
             histories = {i: [] for i in batch}
@@ -235,7 +257,7 @@ def regenerate(
                         histories[i].append({"role": conv[t]["role"], "content": conv[t]["content"]})
                 if not need:
                     continue
-                prompts = [prompt_ids(tokenizer, histories[i]) for i in need]
+                prompts = [first_prompt.pop(i, None) or prompt_ids(tokenizer, histories[i]) for i in need]
                 if max_prompt_tokens is not None:
                     fits = [len(p) <= max_prompt_tokens for p in prompts]
                     alive.difference_update(i for i, ok in zip(need, fits) if not ok)

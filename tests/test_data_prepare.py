@@ -129,6 +129,34 @@ def test_max_turns_and_prompt_cap_limit_regeneration(tiny_llama_dir, tmp_path):
     assert out[1][1]["content"] != "old"
 
 
+def test_regeneration_batches_by_first_prompt_length(tiny_llama_dir, tmp_path, monkeypatch):
+    """Batches hold prompts of similar token length (whatever the dataset's own reply
+    length), and a prompt over the cap never takes a batch slot."""
+    import eyas.data.regenerate as regen
+    from eyas.data.targets import load_target
+
+    target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    calls = []
+
+    def fake_generate(model, tokenizer, prompts, *args, **kwargs):
+        calls.append(sorted(len(p) for p in prompts))
+        return ["ok"] * len(prompts)
+
+    monkeypatch.setattr(regen, "generate_replies_hf", fake_generate)
+    # Long prompts carry short dataset replies and short prompts long ones, so sorting by
+    # the first two messages' characters would pair a long prompt with a short one.
+    words = [3, 40, 5, 38, 4, 39, 200]
+    convs = [[{"role": "user", "content": " ".join(["w"] * n)},
+              {"role": "assistant", "content": "r" * (2000 // n)}] for n in words]
+    out = regen.regenerate(convs, target.tokenizer, tmp_path / "r.jsonl", model=target.model, batch_size=3,
+                           max_new_tokens=4, progress=False, max_prompt_tokens=120)
+    assert len(calls) == 2 and [len(c) for c in calls] == [3, 3]
+    assert max(calls[0]) < min(calls[1])  # the three short prompts, then the three long ones
+    assert out[6] == [] and all(c[1]["content"] == "ok" for c in out[:6])
+    records = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert sorted(r["index"] for r in records) == list(range(7))
+
+
 def test_no_eval_split_when_eval_fraction_is_zero(tiny_llama_dir, tmp_path):
     corpus = _write_corpus(tmp_path / "c.jsonl", n=6)
     run = tmp_path / "run"
