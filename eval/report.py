@@ -74,8 +74,9 @@ def verdicts(report: dict) -> list[str]:
     drafters = report.get("drafters", {})
     head, ngram = drafters.get("head"), drafters.get("ngram")
     if head and head.get("tar") is not None and head["tar"] < LOW_TAR:
-        lines.append(f"WARNING: head TAR {head['tar']:.1%} is below {LOW_TAR:.0%}: the head barely predicts the "
-                     "target (wrong target, wrong aux layers, untrained, or a vocabulary-map problem)")
+        lines.append(f"WARNING: head TAR {head['tar']:.1%} is below {LOW_TAR:.0%}: the head predicts the target "
+                     "poorly (too little training data or too few steps; near 0: a wrong target, wrong aux layers "
+                     "or a vocabulary-map problem)")
     if head and ngram and head.get("tau") is not None and ngram.get("tau") is not None and head["tau"] <= ngram["tau"]:
         lines.append(f"WARNING: the head (tau {head['tau']:.2f}) does not beat prompt lookup (tau {ngram['tau']:.2f}): "
                      "not worth serving; use vLLM's n-gram drafter instead")
