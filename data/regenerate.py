@@ -220,9 +220,9 @@ def regenerate(
     # dataset's own reply decide, which left ~60% of prefill positions padding.
     # Conversations whose first prompt is already over the cap take no batch slot.
     first_prompt = {i: prompt_ids(tokenizer, _before_first_reply(conversations[i])) for i in todo}
-    too_long = [i for i in todo if max_prompt_tokens is not None and len(first_prompt[i]) > max_prompt_tokens]
-    skipped = set(too_long)
-    todo = sorted((i for i in todo if i not in skipped), key=lambda i: len(first_prompt[i]))
+    cap = max_prompt_tokens if max_prompt_tokens is not None else float("inf")
+    too_long = [i for i in todo if len(first_prompt[i]) > cap]
+    todo = sorted((i for i in todo if len(first_prompt[i]) <= cap), key=lambda i: len(first_prompt[i]))
     torch.manual_seed(seed)
     llm = None
     if backend == "vllm":
@@ -257,6 +257,7 @@ def regenerate(
                         histories[i].append({"role": conv[t]["role"], "content": conv[t]["content"]})
                 if not need:
                     continue
+                # A conversation's first prompt was tokenised for sorting; later ones are built here.
                 prompts = [first_prompt.pop(i, None) or prompt_ids(tokenizer, histories[i]) for i in need]
                 if max_prompt_tokens is not None:
                     fits = [len(p) <= max_prompt_tokens for p in prompts]
