@@ -43,17 +43,27 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-def attention_implementation(model_type: str, device: torch.device, requested: str | None = None) -> str:
-    """Pick the attention kernel for a target architecture.
+def attention_implementation(config, requested: str | None = None) -> str:
+    """Pick the attention kernel for a target: the requested one, else SDPA where the
+    architecture's transformers class supports it, else eager.
 
-    GPT-OSS has attention sinks, which only the eager path implements on CPU; every
-    other Llama/Qwen-style model runs SDPA.
+    GPT-OSS is the eager case on every device: its attention sinks have no SDPA path in
+    transformers (its class refuses `sdpa` outright, on a GPU too). On a GPU node
+    `target.attn_implementation=flex_attention` runs them fused.
     """
     if requested:
         return requested
-    if model_type == "gpt_oss" and device.type != "cuda":
-        return "eager"
-    return "sdpa"
+    return "sdpa" if _supports_sdpa(config) else "eager"
+
+
+def _supports_sdpa(config) -> bool:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return True  # remote code: transformers checks when the model is built
+    return bool(getattr(cls, "_supports_sdpa", True))
 
 
 def smollm2_gguf_path() -> Path:
@@ -164,7 +174,7 @@ def load_target(
         config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
     except OSError as err:
         raise TargetLoadError(f"cannot load the target config from {path!r}: {err}") from None
-    attn = attention_implementation(config.model_type, dev, attn_implementation)
+    attn = attention_implementation(config, attn_implementation)
     model = AutoModelForCausalLM.from_pretrained(
         path,
         dtype=_DTYPES[dtype],

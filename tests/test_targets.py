@@ -1,7 +1,6 @@
 """Loading frozen targets: tiny random families, and the real SmolLM2 (slow)."""
 
 import pytest
-import torch
 
 from eyas.data.targets import TargetLoadError, attention_implementation, load_target
 
@@ -19,10 +18,36 @@ def test_tiny_target_loads_frozen_and_exposes_hidden_states(tiny_target_dir):
     assert out.logits.shape[-1] == target.vocab_size
 
 
-def test_gpt_oss_gets_eager_attention_on_cpu():
-    assert attention_implementation("gpt_oss", torch.device("cpu")) == "eager"
-    assert attention_implementation("llama", torch.device("cpu")) == "sdpa"
-    assert attention_implementation("gpt_oss", torch.device("cpu"), "sdpa") == "sdpa"
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gpt_oss"])
+def test_attention_is_one_the_architecture_accepts(family):
+    """GPT-OSS's class refuses SDPA on every device (a GPU included): eager there, SDPA for
+    the others; the model builds with the choice, and an explicit request wins."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_targets import tiny_config
+
+    cfg = tiny_config(family)
+    chosen = attention_implementation(cfg)
+    assert chosen == ("eager" if family == "gpt_oss" else "sdpa")
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=chosen)
+    assert model.config._attn_implementation == chosen
+    assert attention_implementation(cfg, "flex_attention") == "flex_attention"
+
+
+def test_a_cached_decode_step_continues_the_context(tiny_llama_dir):
+    """`cache=` (the keyword regeneration and eval decode through) reaches the model: a
+    step's logits equal a full forward's. transformers releases before the rename take
+    `past_key_values`, swallow `cache` and decode without the context (pyproject's floor)."""
+    import torch
+    from transformers import DynamicCache
+
+    model = load_target(str(tiny_llama_dir), dtype="float32", device="cpu").model
+    ids = torch.randint(3, 300, (1, 9), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids[:, :8], cache=cache, use_cache=True)
+    step = model(input_ids=ids[:, 8:], cache=cache, use_cache=True).logits[0, -1]
+    assert cache.get_seq_length() == 9
+    torch.testing.assert_close(step, model(input_ids=ids).logits[0, -1], rtol=1e-4, atol=1e-4)
 
 
 def test_missing_local_target_is_a_clear_error(tmp_path):
