@@ -1,0 +1,186 @@
+"""One training step of a draft head at a real target's shape, on synthetic features: the
+step a GPU node repeats for hours. Builds the head of a shipped recipe (EAGLE-3 or
+P-EAGLE) over the target's published dimensions (no weights needed), then times the
+recipe's step: labels from the target's LM head, the TTT / COD loss under bf16 autocast,
+backward, AdamW. Prints JSON.
+
+  python scripts/bench_head_step.py                                   # SmolLM2-135M, CPU
+  python scripts/bench_head_step.py --target gpt-oss-20b --algorithm peagle   # on a GPU
+
+Keys: tokens_per_s (real tokens per second over the timed steps), step_seconds (each
+timed step), peak_memory_gb (CUDA: the allocator's peak; CPU: the process's peak RSS),
+head_params, plus the settings. The first steps (torch.compile of flex attention and of
+the loss) are warm-up and not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+# Published config.json values (only what shapes the head and its labels).
+TARGET_SHAPES = {
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
+                         rope_theta=100000.0, rms_norm_eps=1e-5),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
+                         rope_theta=500000.0, rms_norm_eps=1e-5),
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=64, intermediate_size=2880, vocab_size=201088,
+                        rope_theta=150000.0, rms_norm_eps=1e-5),
+    "gpt-oss-120b": dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=36, num_attention_heads=64,
+                         num_key_value_heads=8, head_dim=64, intermediate_size=2880, vocab_size=201088,
+                         rope_theta=150000.0, rms_norm_eps=1e-5),
+    "qwen3-coder-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48,
+                                num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                intermediate_size=6144, moe_intermediate_size=768, vocab_size=151936,
+                                rope_theta=10000000.0, rms_norm_eps=1e-6),
+}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def target_config(name: str):
+    from transformers import AutoConfig
+
+    shape = dict(TARGET_SHAPES[name])
+    return AutoConfig.for_model(shape.pop("model_type"), **shape)
+
+
+def synthetic_batch(b: int, t: int, vocab: int, aux_width: int, hidden: int, device, gen) -> dict:
+    """Right-padded [B, T] sequences, the last 60% of each real stretch in the loss mask;
+    aux [B, T, n·Ht] and last [B, T, Ht] in bf16 at a residual stream's scale."""
+    lengths = torch.randint(t // 2, t + 1, (b,), generator=gen)
+    lengths[0] = t
+    slots = torch.arange(t)[None]
+    am = (slots < lengths[:, None]).long()
+    loss = am * (slots >= (lengths[:, None] * 2) // 5).long()
+    return {
+        "input_ids": torch.randint(0, vocab, (b, t), generator=gen).to(device),
+        "attention_mask": am.to(device),
+        "loss_mask": loss.to(device),
+        "aux": (torch.randn(b, t, aux_width, generator=gen) * 4).to(device, torch.bfloat16),
+        "last": (torch.randn(b, t, hidden, generator=gen) * 4).to(device, torch.bfloat16),
+    }
+
+
+def top_ops(profiler, device_type: str, n: int) -> list[dict]:
+    """The n ops with the most self time on the device (CPU time on a CPU run)."""
+    key = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
+    events = sorted(profiler.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:n]
+    return [{"op": e.key[:80], "ms": round(getattr(e, key) / 1000, 2), "calls": e.count} for e in events]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", choices=sorted(TARGET_SHAPES), default="smollm2-135m")
+    ap.add_argument("--algorithm", choices=("eagle3", "peagle"), default="eagle3")
+    ap.add_argument("--recipe", help="recipe for the head and train settings (default: recipes/<target>-<algorithm>.yaml)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length (default: min(data.max_length, 2048))")
+    ap.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default: train.batch_tokens)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed first steps (compiles)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="profile one more step; JSON key profile: its N costliest ops")
+    args = ap.parse_args()
+
+    from eyas.heads.layers import RMSNorm
+    from eyas.heads.vocab import build_vocab_map
+    from eyas.recipe import load_recipe
+    from eyas.train.algorithms import loss_function
+    from eyas.train.build import head_config_for
+    from eyas.heads.peagle import build_head
+    from eyas.train.fastpath import draft_first_lm_head, valid_row_labels
+
+    recipe_path = Path(args.recipe or ROOT / "recipes" / f"{args.target}-{args.algorithm}.yaml")
+    recipe = load_recipe(str(recipe_path), [])
+    cfg_t = target_config(args.target)
+    device = torch.device(args.device)
+    gen = torch.Generator().manual_seed(0)
+    freqs = torch.randint(1, 1000, (cfg_t.vocab_size,), generator=gen)
+    head_cfg = head_config_for(recipe, cfg_t, verifier=args.target, token_freqs=freqs)
+    head = build_head(head_cfg).float()
+    if head_cfg.uses_vocab_map:
+        vmap = build_vocab_map(freqs, head_cfg.draft_vocab_size)
+        head.set_vocab_map(vmap.d2t, vmap.t2d)
+    ht, vt = cfg_t.hidden_size, cfg_t.vocab_size
+    embed = torch.randn(vt, ht, generator=gen) * 0.02
+    lm_head = torch.randn(vt, ht, generator=gen) * 0.02
+    head.init_from_target(embed, lm_head, torch.ones(ht))
+    head.to(device)
+    # the frozen target output the labels come from, in the target's dtype
+    norm = RMSNorm(ht, cfg_t.rms_norm_eps).to(device, torch.bfloat16)
+    target_lm = draft_first_lm_head(lm_head.to(device, torch.bfloat16), head.draft_token_ids())
+    del embed, lm_head
+
+    train_cfg = recipe.train
+    seq = args.seq or min(recipe.data.max_length, 2048)
+    batch_tokens = args.batch_tokens or train_cfg.batch_tokens
+    b = max(1, min(batch_tokens // seq, train_cfg.max_batch_size))
+    loss_fn = loss_function(head_cfg.algorithm)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=train_cfg.learning_rate, betas=tuple(train_cfg.betas))
+    step_gen = torch.Generator(device=device).manual_seed(0)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=train_cfg.mixed_precision == "bf16")
+    aux_width = len(head_cfg.aux_layer_ids) * ht
+    batches = [synthetic_batch(b, seq, vt, aux_width, ht, device, gen) for _ in range(2)]
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    seconds, tokens, profile = [], 0, None
+    # the profiled step (profiling slows it) comes after the timed ones
+    n_steps = args.warmup + args.steps + (1 if args.profile else 0)
+    for i in range(n_steps):
+        batch = batches[i % 2]
+        profiler = None
+        if args.profile and i == n_steps - 1:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            profiler = torch_profile(activities=acts)
+            profiler.__enter__()
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            labels = valid_row_labels(batch["last"], norm, target_lm, batch["loss_mask"], batch["attention_mask"])
+        with autocast:
+            stats = loss_fn(head, batch, labels, train_cfg, step_gen)
+        stats.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, train_cfg.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            profile = top_ops(profiler, device.type, args.profile)
+        if args.warmup <= i < args.warmup + args.steps:
+            seconds.append(time.perf_counter() - t0)
+            tokens += stats.tokens
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+        name = torch.cuda.get_device_name(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        name = f"cpu ({torch.get_num_threads()} threads)"
+    print(json.dumps({
+        "target": args.target, "algorithm": head_cfg.algorithm, "recipe": str(recipe_path.relative_to(ROOT))
+        if recipe_path.is_relative_to(ROOT) else str(recipe_path), "device": name,
+        "seq": seq, "batch_size": b, "ttt_steps": train_cfg.ttt_steps if head_cfg.algorithm == "eagle3" else None,
+        "num_depths": train_cfg.num_depths if head_cfg.algorithm == "peagle" else None,
+        "draft_vocab_size": head_cfg.draft_vocab_size, "head_params": sum(p.numel() for p in head.parameters()),
+        "tokens_per_s": tokens / sum(seconds), "step_seconds": [round(s, 4) for s in seconds],
+        "peak_memory_gb": round(peak, 3), "torch": torch.__version__,
+        **({"profile": profile} if profile is not None else {}),
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
