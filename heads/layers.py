@@ -12,6 +12,7 @@ Attention accepts three kinds of `mask`:
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
@@ -20,6 +21,8 @@ from torch import nn
 
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.explicit_attention import explicit_attention
+
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -205,8 +208,7 @@ class Attention(nn.Module):
         else:
             keys, values = cache.concatenated()
             if _is_block_mask(mask):
-                out = _compiled_flex_attention()(q, keys, values, block_mask=mask, scale=scale,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+                out = flex_block_attention(q, keys, values, mask, scale, self.num_heads != self.num_kv_heads)
             else:
                 if mask is None and t > 1 and keys.shape[2] > t:
                     mask = prefix_causal_mask(t, keys.shape[2], x.device)
@@ -231,6 +233,37 @@ def _compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_kernel_options(q: torch.Tensor) -> dict | None:
+    """Tile sizes for flex attention where its own choice is slow: at head_dim 64 on a GPU
+    (GPT-OSS, SmolLM2, Llama-3.2 heads) torch picked a forward 18x slower than at head_dim
+    128 for the same mask and FLOPs; these tiles took the forward + backward from 577 to
+    99 ms (GPT-OSS-20B P-EAGLE shape, H200, torch 2.11; scripts/bench_flex_attention.py
+    repeats the measurement). None: torch's choice."""
+    if q.device.type == "cuda" and q.shape[-1] == 64:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+    return None
+
+
+_flex_options_failed: list[str] = []  # the error, once a torch refused the tiles above
+
+
+def flex_block_attention(q, keys, values, block_mask, scale: float, gqa: bool) -> torch.Tensor:
+    """Compiled flex attention over a BlockMask, with `flex_kernel_options`; a torch whose
+    flex rejects those tiles gets its own choice (warned once) instead of a failed run."""
+    options = None if _flex_options_failed else flex_kernel_options(q)
+    if options is not None:
+        try:
+            return _compiled_flex_attention()(q, keys, values, block_mask=block_mask, scale=scale,
+                                              enable_gqa=gqa, kernel_options=options)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as err:
+            _flex_options_failed.append(f"{type(err).__name__}: {err}")
+            log.warning("flex attention refused kernel options %s; using torch's own: %s", options,
+                        _flex_options_failed[0][:500])
+    return _compiled_flex_attention()(q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
 
 def _is_block_mask(mask) -> bool:

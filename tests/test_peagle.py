@@ -189,3 +189,29 @@ def test_flex_block_mask_gives_the_dense_mask_logits():
         flex, _ = head.forward_step(tokens, hidden, el.positions, head.new_cache(),
                                     peagle_block_mask(el.anchor, el.depth, el.real))
     torch.testing.assert_close(flex[el.real], dense[el.real], rtol=1e-5, atol=1e-5)
+
+
+def test_flex_attention_falls_back_to_torch_tiles_once_refused(monkeypatch, caplog):
+    """A torch whose flex attention rejects eyas's tile sizes gets its own choice, with one
+    warning, and is not asked again; CPU tensors never get tile sizes."""
+    from eyas.heads import layers
+
+    calls = []
+
+    def fake_flex(q, k, v, block_mask=None, scale=None, enable_gqa=False, kernel_options=None):
+        calls.append(kernel_options)
+        if kernel_options:
+            raise RuntimeError("tiles not supported")
+        return q * scale
+
+    assert layers.flex_kernel_options(torch.zeros(1, 1, 4, 64)) is None
+    monkeypatch.setattr(layers, "_compiled_flex_attention", lambda: fake_flex)
+    monkeypatch.setattr(layers, "flex_kernel_options", lambda q: {"BLOCK_M": 128})
+    monkeypatch.setattr(layers, "_flex_options_failed", [])
+    q = torch.randn(1, 1, 4, 8)
+    with caplog.at_level("WARNING"):
+        out = layers.flex_block_attention(q, q, q, None, 2.0, False)
+        layers.flex_block_attention(q, q, q, None, 2.0, False)
+    torch.testing.assert_close(out, q * 2.0)
+    assert calls == [{"BLOCK_M": 128}, None, None]
+    assert caplog.text.count("refused kernel options") == 1
