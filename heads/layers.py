@@ -237,10 +237,10 @@ def _compiled_flex_attention():
 
 def flex_kernel_options(q: torch.Tensor) -> dict | None:
     """Tile sizes for flex attention where its own choice is slow: at head_dim 64 on a GPU
-    (GPT-OSS, SmolLM2, Llama-3.2 heads) torch picked a forward 18x slower than at head_dim
-    128 for the same mask and FLOPs; these tiles took the forward + backward from 577 to
-    99 ms (GPT-OSS-20B P-EAGLE shape, H200, torch 2.11; scripts/bench_flex_attention.py
-    repeats the measurement). None: torch's choice."""
+    (GPT-OSS, SmolLM2, Llama-3.2 heads) torch picked a forward 30x slower than at head_dim
+    128 for the same mask and FLOPs; these tiles took the forward from 506 to 28 ms and
+    forward + backward from 577 to 99 ms (GPT-OSS-20B P-EAGLE shape, H200, torch 2.11;
+    scripts/bench_flex_attention.py repeats the measurement). None: torch's choice."""
     if q.device.type == "cuda" and q.shape[-1] == 64:
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
     return None
