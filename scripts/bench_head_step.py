@@ -34,14 +34,12 @@ TARGET_SHAPES = {
     "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
                         num_key_value_heads=8, head_dim=64, intermediate_size=2880, vocab_size=201088,
                         rope_theta=150000.0, rms_norm_eps=1e-5),
-    "gpt-oss-120b": dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=36, num_attention_heads=64,
-                         num_key_value_heads=8, head_dim=64, intermediate_size=2880, vocab_size=201088,
-                         rope_theta=150000.0, rms_norm_eps=1e-5),
     "qwen3-coder-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48,
                                 num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                                 intermediate_size=6144, moe_intermediate_size=768, vocab_size=151936,
                                 rope_theta=10000000.0, rms_norm_eps=1e-6),
 }
+TARGET_SHAPES["gpt-oss-120b"] = {**TARGET_SHAPES["gpt-oss-20b"], "num_hidden_layers": 36}
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -91,11 +89,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from eyas.heads.layers import RMSNorm
-    from eyas.heads.vocab import build_vocab_map
     from eyas.recipe import load_recipe
     from eyas.train.algorithms import loss_function
-    from eyas.train.build import head_config_for
-    from eyas.heads.peagle import build_head
+    from eyas.train.build import head_config_for, head_from_target_weights
     from eyas.train.fastpath import draft_first_lm_head, valid_row_labels
 
     recipe_path = Path(args.recipe or ROOT / "recipes" / f"{args.target}-{args.algorithm}.yaml")
@@ -105,14 +101,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     freqs = torch.randint(1, 1000, (cfg_t.vocab_size,), generator=gen)
     head_cfg = head_config_for(recipe, cfg_t, verifier=args.target, token_freqs=freqs)
-    head = build_head(head_cfg).float()
-    if head_cfg.uses_vocab_map:
-        vmap = build_vocab_map(freqs, head_cfg.draft_vocab_size)
-        head.set_vocab_map(vmap.d2t, vmap.t2d)
     ht, vt = cfg_t.hidden_size, cfg_t.vocab_size
     embed = torch.randn(vt, ht, generator=gen) * 0.02
     lm_head = torch.randn(vt, ht, generator=gen) * 0.02
-    head.init_from_target(embed, lm_head, torch.ones(ht))
+    head = head_from_target_weights(head_cfg, freqs, embed, lm_head, torch.ones(ht))
     head.to(device)
     # the frozen target output the labels come from, in the target's dtype
     norm = RMSNorm(ht, cfg_t.rms_norm_eps).to(device, torch.bfloat16)

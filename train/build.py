@@ -79,6 +79,15 @@ def fit_frequencies(freqs: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def build_trainable_head(config: DraftHeadConfig, target_model: nn.Module, freqs: torch.Tensor | None) -> Eagle3Head:
     """A float32 head with its vocabulary map set (from `freqs` [Vt], the masked-token
     counts) and its embedding / LM head rows / final norm copied from the target."""
+    norm, lm_head = target_norm_and_lm_head(target_model)
+    embed = target_model.get_input_embeddings().weight
+    return head_from_target_weights(config, freqs, embed.detach(), lm_head.weight.detach(), norm.weight.detach())
+
+
+def head_from_target_weights(config: DraftHeadConfig, freqs: torch.Tensor | None, embed: torch.Tensor,
+                             lm_head_weight: torch.Tensor, norm_weight: torch.Tensor) -> Eagle3Head:
+    """`build_trainable_head` from the target's tensors alone: embed / lm_head_weight
+    [Vt, Ht], norm_weight [Ht] (benchmarks build heads at a target's shape without it)."""
     head = build_head(config).float()
     if config.uses_vocab_map:
         if freqs is None:
@@ -86,10 +95,7 @@ def build_trainable_head(config: DraftHeadConfig, target_model: nn.Module, freqs
                              "(run `eyas prepare`: prepared/token_freqs.safetensors)")
         vmap = build_vocab_map(fit_frequencies(freqs, config.vocab_size), config.draft_vocab_size)
         head.set_vocab_map(vmap.d2t, vmap.t2d)
-    norm, lm_head = target_norm_and_lm_head(target_model)
-    embed = target_model.get_input_embeddings().weight
-    head.init_from_target(embed.detach().float().cpu(), lm_head.weight.detach().float().cpu(),
-                          norm.weight.detach().float().cpu())
+    head.init_from_target(embed.float().cpu(), lm_head_weight.float().cpu(), norm_weight.float().cpu())
     return head
 
 
