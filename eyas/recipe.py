@@ -107,6 +107,9 @@ class TrainSection(_Section):
     mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    # EAGLE-3: weight of the copy supervision of attention head 0 (train/copy_attention.py);
+    # 0 trains on the soft-label loss alone.
+    copy_attention_weight: float = 0.0
     # P-EAGLE (COD sampling, DESIGN §4)
     num_depths: int = 8
     cod_r: float = 0.8
@@ -160,6 +163,15 @@ class Recipe(_Section):
     train: TrainSection = Field(default_factory=TrainSection)
     export: ExportSection = Field(default_factory=ExportSection)
     eval: EvalSection = Field(default_factory=EvalSection)
+
+    @model_validator(mode="after")
+    def _copy_attention_is_eagle3(self) -> "Recipe":
+        if self.train.copy_attention_weight and self.head.algorithm != "eagle3":
+            raise ValueError(f"train.copy_attention_weight supervises the EAGLE-3 head's attention; "
+                             f"head.algorithm {self.head.algorithm!r} does not use it (set it to 0)")
+        if self.train.copy_attention_weight < 0:
+            raise ValueError("train.copy_attention_weight must be >= 0")
+        return self
 
     @property
     def paths(self) -> "RunPaths":

@@ -105,6 +105,14 @@ def test_exclusive_norm_options_rejected():
         recipe_from_dict({"head": {"fc_norm": True, "norm_before_fc": True}})
 
 
+def test_copy_attention_only_for_eagle3_and_not_negative():
+    with pytest.raises(RecipeError, match="copy_attention_weight"):
+        recipe_from_dict({"head": {"algorithm": "peagle", "mask_token_id": 3}, "train": {"copy_attention_weight": 1.0}})
+    with pytest.raises(RecipeError, match="copy_attention_weight"):
+        recipe_from_dict({"train": {"copy_attention_weight": -1.0}})
+    assert recipe_from_dict({"train": {"copy_attention_weight": 1.0}}).train.copy_attention_weight == 1.0
+
+
 def test_packaged_file_names_the_install_command(tmp_path):
     from eyas.assets import packaged_file
 

@@ -82,6 +82,17 @@ def test_meter_accept_length_from_per_step_accuracy():
     assert s["x/accept_len"] == pytest.approx(1 + 0.8 + 0.8 * 0.3)
 
 
+def test_meter_reports_named_loss_terms_as_batch_means():
+    m = AccuracyMeter()
+    m.add(StepStats(loss=torch.tensor(5.0), hits=[1], counts=[2], tokens=4, extra_losses={"copy_attention_loss": 1.0}))
+    m.add(StepStats(loss=torch.tensor(7.0), hits=[1], counts=[2], tokens=4, extra_losses={"copy_attention_loss": 3.0}))
+    s = m.summary("train/")
+    assert s["train/copy_attention_loss"] == 2.0 and s["train/loss"] == 6.0
+    m.reset()
+    m.add(StepStats(loss=torch.tensor(1.0), hits=[1], counts=[2], tokens=4))
+    assert "train/copy_attention_loss" not in m.summary("train/")
+
+
 def test_registry():
     assert loss_function("eagle3") is eagle3_loss
     with pytest.raises(ValueError, match="unknown training algorithm 'nope'"):

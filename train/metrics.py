@@ -31,6 +31,7 @@ class AccuracyMeter:
         self.loss_sum = 0.0
         self.batches = 0
         self.tokens = 0
+        self.extra_sums: dict[str, float] = {}
 
     def add(self, stats) -> None:
         if len(self.hits) < len(stats.hits):
@@ -43,6 +44,8 @@ class AccuracyMeter:
         self.loss_sum += float(stats.loss.detach()) if hasattr(stats.loss, "detach") else float(stats.loss)
         self.batches += 1
         self.tokens += int(stats.tokens)
+        for name, value in getattr(stats, "extra_losses", {}).items():
+            self.extra_sums[name] = self.extra_sums.get(name, 0.0) + float(value)
 
     def merge_counts(self, hits: list[int], counts: list[int]) -> None:
         """Replace the counts (e.g. by their sum over ranks)."""
@@ -54,6 +57,7 @@ class AccuracyMeter:
     def summary(self, prefix: str = "") -> dict[str, float]:
         accs = self.accuracies()
         out = {f"{prefix}loss": self.loss_sum / max(1, self.batches)}
+        out.update({f"{prefix}{name}": v / max(1, self.batches) for name, v in self.extra_sums.items()})
         out.update({f"{prefix}acc_{k}": a for k, a in enumerate(accs)})
         out[f"{prefix}accept_len"] = expected_tokens_per_step(accs)
         return out

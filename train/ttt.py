@@ -24,6 +24,7 @@ class StepStats:
     hits: list[int] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
     tokens: int = 0  # real tokens processed
+    extra_losses: dict[str, float] = field(default_factory=dict)  # named terms inside `loss`, for logging
 
 
 def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
