@@ -2,7 +2,6 @@
 training steps → `eyas export` → validate → load back → the same drafts."""
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,10 +14,11 @@ from eyas.heads.io import save_head
 from eyas.heads.validate import validate_export
 from eyas.train.algorithms import loss_function
 from eyas.train.build import build_trainable_head
+from eyas.recipe import TrainSection
 from eyas.train.losses import target_labels
 
-TRAIN_CFG = SimpleNamespace(ttt_steps=3, ttt_decay=0.8, num_depths=4, cod_r=0.8, cod_r_min=0.2, segment_length=None,
-                            compile_loss="off")
+TRAIN_CFG = TrainSection(ttt_steps=3, ttt_decay=0.8, num_depths=4, cod_r=0.8, cod_r_min=0.2, segment_length=None,
+                         compile_loss="off")
 
 
 def _batch(target, seed=0, b=2, t=24):
