@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from eyas.heads.layers import apply_rope, rope_cos_sin
+from eyas.train.ttt import shift_left
 
 # Tokens of context that must agree (the query's token and the one before it) before an
 # earlier slot counts as a copy source: a single shared token ("the", ",") has too many.
@@ -72,7 +73,7 @@ def copy_attention_loss(head, batch: dict, targets: torch.Tensor) -> torch.Tenso
     d = attn.head_dim
     ids = batch["input_ids"]
     b, t = ids.shape
-    tokens = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # slot t reads x_{t+1}
+    tokens = shift_left(ids, 1, 0)  # slot t reads x_{t+1}, as TTT step 0 does
     hidden = head.combine_aux(batch["aux"])
     x = torch.cat([layer.input_layernorm(head.embed_tokens(tokens)), layer.hidden_norm(hidden)], dim=-1)
     q = F.linear(x, attn.q_proj.weight[:d])[:, None]  # [B, 1, T, d]
