@@ -109,7 +109,7 @@ class TrainSection(_Section):
     ttt_decay: float = 0.8
     # EAGLE-3: weight of the copy supervision of attention head 0 (train/copy_attention.py);
     # 0 trains on the soft-label loss alone.
-    copy_attention_weight: float = 0.0
+    copy_attention_weight: float = Field(0.0, ge=0)
     # P-EAGLE (COD sampling, DESIGN §4)
     num_depths: int = 8
     cod_r: float = 0.8
@@ -169,8 +169,6 @@ class Recipe(_Section):
         if self.train.copy_attention_weight and self.head.algorithm != "eagle3":
             raise ValueError(f"train.copy_attention_weight supervises the EAGLE-3 head's attention; "
                              f"head.algorithm {self.head.algorithm!r} does not use it (set it to 0)")
-        if self.train.copy_attention_weight < 0:
-            raise ValueError("train.copy_attention_weight must be >= 0")
         return self
 
     @property
