@@ -110,6 +110,8 @@ class TrainSection(_Section):
     # EAGLE-3: weight of the copy supervision of attention head 0 (train/copy_attention.py);
     # 0 trains on the soft-label loss alone.
     copy_attention_weight: float = Field(0.0, ge=0)
+    # ... on TTT steps 0..copy_attention_steps-1 (at most ttt_steps)
+    copy_attention_steps: int = Field(1, ge=1)
     # P-EAGLE (COD sampling, DESIGN §4)
     num_depths: int = 8
     cod_r: float = 0.8
@@ -169,6 +171,9 @@ class Recipe(_Section):
         if self.train.copy_attention_weight and self.head.algorithm != "eagle3":
             raise ValueError(f"train.copy_attention_weight supervises the EAGLE-3 head's attention; "
                              f"head.algorithm {self.head.algorithm!r} does not use it (set it to 0)")
+        if self.train.copy_attention_steps > self.train.ttt_steps:
+            raise ValueError(f"train.copy_attention_steps ({self.train.copy_attention_steps}) exceeds "
+                             f"train.ttt_steps ({self.train.ttt_steps}): there is no attention to supervise there")
         return self
 
     @property

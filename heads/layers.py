@@ -191,6 +191,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        # Set to a list by a training probe (train/copy_attention.py) to receive head 0's
+        # RoPE'd query and key `([B, T, d], [B, T, d])` of every call; None records nothing.
+        self.head0_probe: list | None = None
 
     def forward(self, x, positions, cache: LayerCache, mask) -> torch.Tensor:
         """x [B, T, in]; positions [B, T]; the new keys are appended to `cache`, then the
@@ -201,6 +204,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.head0_probe is not None:
+            self.head0_probe.append((q[:, 0], k[:, 0]))  # query head 0 reads KV head 0
         cache.append(k, v)
         scale = 1.0 / math.sqrt(self.head_dim)
         if isinstance(mask, TTTMask):

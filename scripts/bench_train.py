@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--copy-attention-weight", type=float, default=0.0,
                     help="train.copy_attention_weight (the quickstart recipe uses 1.0)")
+    ap.add_argument("--copy-attention-steps", type=int, default=1,
+                    help="train.copy_attention_steps: TTT steps whose attention is supervised")
     ap.add_argument("--modes", default="offline,online")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds over the batches, every mode taking its turn on each batch")
@@ -99,7 +101,8 @@ def main() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     recipe = load_recipe(os.path.join(root, "recipes", "smollm2-135m-eagle3.yaml"),
                          [f"train.ttt_steps={args.ttt}", f"head.draft_vocab_size={args.draft_vocab}",
-                          f"train.copy_attention_weight={args.copy_attention_weight}"])
+                          f"train.copy_attention_weight={args.copy_attention_weight}",
+                          f"train.copy_attention_steps={args.copy_attention_steps}"])
     target = load_target("smollm2-135m", "bfloat16", "cpu")
     batches = sharegpt_batches(target.tokenizer, args.steps + 1, args.batch, args.seq)
     vt = target.vocab_size
@@ -158,7 +161,8 @@ def main() -> None:
     f_train = train_flops_per_token(head, args.seq, args.ttt, vt, loss_share)
     best_fwd = min(seconds["forward"])
     result = {"settings": {"ttt_steps": args.ttt, "draft_vocab_size": args.draft_vocab, "seq": args.seq,
-                           "batch": args.batch, "copy_attention_weight": args.copy_attention_weight, "timed_steps": args.steps, "rounds": args.rounds,
+                           "batch": args.batch, "copy_attention_weight": args.copy_attention_weight,
+                           "copy_attention_steps": args.copy_attention_steps, "timed_steps": args.steps, "rounds": args.rounds,
                            "threads": torch.get_num_threads(), "loadavg_before": loadavg_before},
               "train_tokens_per_s": {}, "forward_tokens_per_s": timed_tokens / best_fwd, "flop_ratio": {},
               "flop_ratio_median_paired": {}, "flop_ratio_best_of": {}, "seconds": seconds}

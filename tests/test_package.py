@@ -111,6 +111,8 @@ def test_copy_attention_only_for_eagle3_and_not_negative():
     with pytest.raises(RecipeError, match="copy_attention_weight"):
         recipe_from_dict({"train": {"copy_attention_weight": -1.0}})
     assert recipe_from_dict({"train": {"copy_attention_weight": 1.0}}).train.copy_attention_weight == 1.0
+    with pytest.raises(RecipeError, match="copy_attention_steps"):
+        recipe_from_dict({"train": {"copy_attention_weight": 1.0, "ttt_steps": 3, "copy_attention_steps": 4}})
 
 
 def test_packaged_file_names_the_install_command(tmp_path):

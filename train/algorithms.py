@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from eyas.train.copy_attention import copy_attention_loss, copy_attention_targets
+from eyas.train.copy_attention import copy_attention_loss, copy_attention_targets, recording_head0
 from eyas.train.fastpath import ttt_loss_valid_rows
 from eyas.train.ttt import StepStats
 
@@ -22,14 +22,19 @@ LossFn = Callable[..., StepStats]
 def eagle3_loss(head, batch: dict, labels, train_cfg, generator=None) -> StepStats:
     """EAGLE-3 training-time test: `train_cfg.ttt_steps` unrolled steps, weights decay^k
     (`ttt_loss`, evaluated on the valid slots only), plus `train_cfg.copy_attention_weight`
-    times the copy supervision of attention head 0."""
-    stats = ttt_loss_valid_rows(head, batch, labels, train_cfg.ttt_steps, train_cfg.ttt_decay,
-                                train_cfg.compile_loss)
-    if train_cfg.copy_attention_weight > 0:
-        targets = copy_attention_targets(batch["input_ids"], labels.valid, batch["attention_mask"])
-        copy = copy_attention_loss(head, batch, targets)
-        stats.loss = stats.loss + train_cfg.copy_attention_weight * copy
-        stats.extra_losses["copy_attention_loss"] = float(copy.detach())
+    times the copy supervision of attention head 0 over the first
+    `train_cfg.copy_attention_steps` steps."""
+    if train_cfg.copy_attention_weight <= 0:
+        return ttt_loss_valid_rows(head, batch, labels, train_cfg.ttt_steps, train_cfg.ttt_decay,
+                                   train_cfg.compile_loss)
+    with recording_head0(head) as records:
+        stats = ttt_loss_valid_rows(head, batch, labels, train_cfg.ttt_steps, train_cfg.ttt_decay,
+                                    train_cfg.compile_loss)
+    targets = copy_attention_targets(batch["input_ids"], labels.valid, batch["attention_mask"],
+                                     steps=train_cfg.copy_attention_steps)
+    copy = copy_attention_loss(records, targets, train_cfg.ttt_decay)
+    stats.loss = stats.loss + train_cfg.copy_attention_weight * copy
+    stats.extra_losses["copy_attention_loss"] = float(copy.detach())
     return stats
 
 
