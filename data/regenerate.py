@@ -176,7 +176,7 @@ def generate_replies_vllm(llm, tokenizer, prompts: list[list[int]], max_new_toke
     return [o.outputs[0].text.strip() for o in outs]
 
 
-def _before_first_reply(conversation: list[dict]) -> list[dict]:
+def before_first_reply(conversation: list[dict]) -> list[dict]:
     """The messages before the first assistant turn: what its reply is generated from."""
     out = []
     for m in conversation:
@@ -219,7 +219,7 @@ def regenerate(
     # padding wastes little: sorting by characters of the first two messages let the
     # dataset's own reply decide, which left ~60% of prefill positions padding.
     # Conversations whose first prompt is already over the cap take no batch slot.
-    first_prompt = {i: prompt_ids(tokenizer, _before_first_reply(conversations[i])) for i in todo}
+    first_prompt = {i: prompt_ids(tokenizer, before_first_reply(conversations[i])) for i in todo}
     cap = max_prompt_tokens if max_prompt_tokens is not None else float("inf")
     too_long = [i for i in todo if len(first_prompt[i]) > cap]
     todo = sorted((i for i in todo if len(first_prompt[i]) <= cap), key=lambda i: len(first_prompt[i]))

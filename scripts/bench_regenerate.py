@@ -40,7 +40,7 @@ def main() -> int:
     sizes = [int(s) for s in args.batch_sizes.split(",")]
 
     from eyas.data.conversations import read_conversations
-    from eyas.data.regenerate import generate_replies_hf
+    from eyas.data.regenerate import before_first_reply, generate_replies_hf
     from eyas.data.targets import load_target
     from eyas.data.templates import TemplateError, prompt_ids
 
@@ -48,11 +48,7 @@ def main() -> int:
     convs, _ = read_conversations(["sharegpt"], max_samples=args.prompts * 3)
     prompts = []
     for conv in convs:
-        first = []
-        for m in conv:
-            if m["role"] == "assistant":
-                break
-            first.append(m)
+        first = before_first_reply(conv)
         try:
             p = prompt_ids(target.tokenizer, first)
         except TemplateError:
