@@ -7,7 +7,7 @@ import pytest
 
 from eyas.cli import main
 from eyas.eval.ngram import ngram_propose
-from eyas.eval.report import summarize
+from eyas.eval.report import summarize, verdicts
 from eyas.eval.speculate import DecodeTrace
 from eyas.eval.workloads import load_workload, mtbench_path, render_turn, subsample
 
@@ -91,7 +91,8 @@ def test_eval_cli_baseline_and_head(tmp_path, tiny_llama_dir, capsys):
     assert set(report["per_turn"]) == {"1", "2"}
     assert all(report["per_turn"][t]["head"]["sequences"] == 2 for t in ("1", "2"))
     assert report["num_sequences"] == 4 and report["plain"]["tokens_per_s"] > 0
-    assert report["tar"] < 0.3 and any("below 30%" in w for w in report["warnings"])
+    a1 = report["drafters"]["head"]["per_position_acceptance"][0]
+    assert a1 < 0.3 and any("first draft token" in w and "below 30%" in w for w in report["warnings"])
     for name in ("eval_report.json", "eval_report.md", "eval_report.png"):
         assert (tmp_path / "ev" / name).stat().st_size > 100
     rc = main(["eval", *common, "--baseline", "ngram", "--out", str(tmp_path / "ev2")])
@@ -101,3 +102,15 @@ def test_eval_cli_baseline_and_head(tmp_path, tiny_llama_dir, capsys):
     rc = main(["eval", *common, "--baseline", "ngram", "--out", str(tmp_path / "ev3"), "--json", "--dtype", "bfloat16"])
     assert rc == 0 and json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
     torch.manual_seed(0)
+
+
+def test_low_accuracy_warning_reads_first_position_not_tar():
+    # K = 5, tau 2.4: deep positions decay, so TAR is 28% although the target accepts the
+    # first draft token 57% of the time; that head is worth serving and gets no warning.
+    good = {"tau": 2.40, "tar": 0.28, "per_position_acceptance": [0.57, 0.64, 0.65, 0.61, 0.57]}
+    poor = {"tau": 1.20, "tar": 0.05, "per_position_acceptance": [0.12, 0.3, 0.2, 0.1, 0.0]}
+    ngram = {"tau": 1.80}
+    assert not any("first draft token" in w for w in verdicts({"drafters": {"head": good, "ngram": ngram}}))
+    warned = verdicts({"drafters": {"head": poor, "ngram": ngram}})
+    assert any("12.0%" in w and "below 30%" in w for w in warned)
+    assert any("does not beat prompt lookup" in w for w in warned)
