@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from eyas.assets import packaged_file
+from eyas.precision import resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
 
 def load_target(
     name_or_path: str = SMOLLM2_ALIAS,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     device: str = "auto",
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
@@ -161,7 +162,8 @@ def load_target(
 ) -> Target:
     """Load a frozen causal LM and its tokenizer.
 
-    `name_or_path`: a Hub id, a local directory, or `smollm2-135m`.
+    `name_or_path`: a Hub id, a local directory, or `smollm2-135m`. `dtype`: `auto`
+    (bf16 where `device` runs it natively, else float32), `bfloat16`, `float16`, `float32`.
     Returns a `Target` whose model is in eval mode with requires_grad False everywhere.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -177,7 +179,7 @@ def load_target(
     attn = attention_implementation(config, attn_implementation)
     model = AutoModelForCausalLM.from_pretrained(
         path,
-        dtype=_DTYPES[dtype],
+        dtype=_DTYPES[resolve_dtype(dtype, dev)],
         attn_implementation=attn,
         revision=revision,
         trust_remote_code=trust_remote_code,

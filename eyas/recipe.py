@@ -22,7 +22,8 @@ class TargetSection(_Section):
     """The frozen target model."""
 
     name_or_path: str = "smollm2-135m"
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # auto: bfloat16 where the device multiplies in it natively, else float32 (eyas/precision.py)
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     attn_implementation: Optional[str] = None  # None: chosen per architecture
     trust_remote_code: bool = False
     revision: Optional[str] = None
@@ -104,7 +105,7 @@ class TrainSection(_Section):
     max_batch_size: int = 64
     grad_accum: int = 1
     max_grad_norm: float = 0.5
-    mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: as target.dtype auto
     ttt_steps: int = 7
     ttt_decay: float = 0.8
     # EAGLE-3: weight of the copy supervision of attention head 0 (train/copy_attention.py);
@@ -143,7 +144,7 @@ class EvalSection(_Section):
     workload: str = "mtbench"
     # The target's dtype while evaluating (None: target.dtype). float32 makes the lossless
     # check exact, and on CPUs batch-1 decoding is faster in float32 than in bfloat16.
-    dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    dtype: Optional[Literal["auto", "bfloat16", "float16", "float32"]] = None
     k: int = 5
     max_new_tokens: int = 128
     temperature: float = 0.0

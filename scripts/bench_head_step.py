@@ -92,6 +92,7 @@ def main() -> None:
     from eyas.recipe import load_recipe
     from eyas.train.algorithms import loss_function
     from eyas.train.build import head_config_for, head_from_target_weights
+    from eyas.precision import resolve_dtype, resolve_mixed_precision
     from eyas.train.fastpath import draft_first_lm_head, valid_row_labels
 
     recipe_path = Path(args.recipe or ROOT / "recipes" / f"{args.target}-{args.algorithm}.yaml")
@@ -107,8 +108,9 @@ def main() -> None:
     head = head_from_target_weights(head_cfg, freqs, embed, lm_head, torch.ones(ht))
     head.to(device)
     # the frozen target output the labels come from, in the target's dtype
-    norm = RMSNorm(ht, cfg_t.rms_norm_eps).to(device, torch.bfloat16)
-    target_lm = draft_first_lm_head(lm_head.to(device, torch.bfloat16), head.draft_token_ids())
+    target_dtype = getattr(torch, resolve_dtype(recipe.target.dtype, device))
+    norm = RMSNorm(ht, cfg_t.rms_norm_eps).to(device, target_dtype)
+    target_lm = draft_first_lm_head(lm_head.to(device, target_dtype), head.draft_token_ids())
     del embed, lm_head
 
     train_cfg = recipe.train
@@ -119,7 +121,8 @@ def main() -> None:
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=train_cfg.learning_rate, betas=tuple(train_cfg.betas))
     step_gen = torch.Generator(device=device).manual_seed(0)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=train_cfg.mixed_precision == "bf16")
+    mixed_precision = resolve_mixed_precision(train_cfg.mixed_precision, device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
     aux_width = len(head_cfg.aux_layer_ids) * ht
     batches = [synthetic_batch(b, seq, vt, aux_width, ht, device, gen) for _ in range(2)]
 
@@ -168,6 +171,7 @@ def main() -> None:
         "seq": seq, "batch_size": b, "ttt_steps": train_cfg.ttt_steps if head_cfg.algorithm == "eagle3" else None,
         "num_depths": train_cfg.num_depths if head_cfg.algorithm == "peagle" else None,
         "draft_vocab_size": head_cfg.draft_vocab_size, "head_params": sum(p.numel() for p in head.parameters()),
+        "target_dtype": str(target_dtype).removeprefix("torch."), "mixed_precision": mixed_precision,
         "tokens_per_s": tokens / sum(seconds), "step_seconds": [round(s, 4) for s in seconds],
         "peak_memory_gb": round(peak, 3), "torch": torch.__version__,
         **({"profile": profile} if profile is not None else {}),

@@ -83,6 +83,10 @@ def main() -> None:
     ap.add_argument("--copy-attention-steps", type=int, default=1,
                     help="train.copy_attention_steps: TTT steps whose attention is supervised")
     ap.add_argument("--modes", default="offline,online")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                    help="the target's dtype (auto: bf16 where this CPU runs it natively, else float32)")
+    ap.add_argument("--mixed-precision", default="auto", choices=("auto", "bf16", "no"),
+                    help="the head's autocast (auto: as --dtype auto)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds over the batches, every mode taking its turn on each batch")
     args = ap.parse_args()
@@ -93,6 +97,7 @@ def main() -> None:
 
     from eyas.data.prepare import token_frequencies
     from eyas.data.targets import load_target
+    from eyas.precision import resolve_mixed_precision
     from eyas.recipe import load_recipe
     from eyas.train.algorithms import loss_function
     from eyas.train.build import HeadWithLoss, build_trainable_head, frozen_output, head_config_for
@@ -103,7 +108,8 @@ def main() -> None:
                          [f"train.ttt_steps={args.ttt}", f"head.draft_vocab_size={args.draft_vocab}",
                           f"train.copy_attention_weight={args.copy_attention_weight}",
                           f"train.copy_attention_steps={args.copy_attention_steps}"])
-    target = load_target("smollm2-135m", "bfloat16", "cpu")
+    target = load_target("smollm2-135m", args.dtype, "cpu")
+    bf16_autocast = resolve_mixed_precision(args.mixed_precision, "cpu") == "bf16"
     batches = sharegpt_batches(target.tokenizer, args.steps + 1, args.batch, args.seq)
     vt = target.vocab_size
     freqs = token_frequencies([b.tolist() for x in batches for b in x["input_ids"]],
@@ -124,7 +130,7 @@ def main() -> None:
 
     def step(batch):
         full, labels = features.complete(batch)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
             stats = model(full, labels, None)
         stats.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, recipe.train.max_grad_norm)
@@ -163,7 +169,9 @@ def main() -> None:
     result = {"settings": {"ttt_steps": args.ttt, "draft_vocab_size": args.draft_vocab, "seq": args.seq,
                            "batch": args.batch, "copy_attention_weight": args.copy_attention_weight,
                            "copy_attention_steps": args.copy_attention_steps, "timed_steps": args.steps, "rounds": args.rounds,
-                           "threads": torch.get_num_threads(), "loadavg_before": loadavg_before},
+                           "threads": torch.get_num_threads(), "loadavg_before": loadavg_before,
+                           "target_dtype": str(target.model.dtype).removeprefix("torch."),
+                           "bf16_autocast": bf16_autocast},
               "train_tokens_per_s": {}, "forward_tokens_per_s": timed_tokens / best_fwd, "flop_ratio": {},
               "flop_ratio_median_paired": {}, "flop_ratio_best_of": {}, "seconds": seconds}
     for mode in modes[1:]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from eyas.precision import resolve_mixed_precision
 from eyas.train.algorithms import loss_function
 from eyas.train.batching import BatchStream, DataPosition, offline_stream, online_stream
 from eyas.train.build import FrozenOutput, HeadWithLoss, build_trainable_head, frozen_output, head_config_for
@@ -177,7 +178,9 @@ def train(recipe, target=None, progress: bool = True) -> dict:
         from accelerate import PartialState
 
         PartialState(backend="gloo")
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum,
+    compute_device = "cuda" if torch.cuda.is_available() and not on_cpu else "cpu"
+    accelerator = Accelerator(mixed_precision=resolve_mixed_precision(cfg.mixed_precision, compute_device),
+                              gradient_accumulation_steps=cfg.grad_accum,
                               cpu=on_cpu)
     device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
     paths = recipe.paths

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ngram-min", type=int)
     parser.add_argument("--ngram-max", type=int)
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"],
                         help="the target's dtype while evaluating (default: eval.dtype, else target.dtype)")
     parser.add_argument("--out", help="output directory (default: run_dir/eval)")
     parser.add_argument("--tie-tolerance", type=float,
