@@ -110,6 +110,25 @@ def _preallocated_cache(model, capacity: int):
     return cache
 
 
+def _takes_additive_decode_mask(model) -> bool:
+    """Whether decode steps may hand the model a ready 4D additive mask: SDPA attention and
+    no sliding-window layers (a 4D mask is used as is for every layer, so a sliding layer
+    would attend to its whole cache)."""
+    cfg = model.config
+    if getattr(cfg, "_attn_implementation", None) != "sdpa":
+        return False
+    layer_types = getattr(cfg, "layer_types", None) or []
+    return getattr(cfg, "sliding_window", None) is None and all(t == "full_attention" for t in layer_types)
+
+
+def _additive_decode_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """mask [B, L] (1 = token) -> [B, 1, 1, L] of 0 / dtype-min for one decode query. SDPA
+    on CPU runs ~2x faster on an additive mask than on the boolean one transformers builds
+    from a 2D mask (the attention is ~30% of a batch-256 SmolLM2 decode step)."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill_(mask == 0, torch.finfo(dtype).min)[:, None, None, :]
+
+
 @torch.no_grad()
 def generate_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                         top_p: float, generator: Optional[torch.Generator] = None) -> list[str]:
@@ -141,6 +160,8 @@ def generate_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_toke
     hidden = base(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                   use_cache=True).last_hidden_state[:, -1]
     logits = model.get_output_embeddings()(hidden.contiguous())
+    dtype = next(model.parameters()).dtype
+    additive = _takes_additive_decode_mask(model)
     rows = torch.arange(len(prompts), device=device)  # original index of each batch row
     live = torch.ones(len(prompts), dtype=torch.bool, device=device)
     last_pos = positions[:, -1]
@@ -161,7 +182,8 @@ def generate_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_toke
             rows, mask, nxt, last_pos, live = rows[keep], mask[keep], nxt[keep], last_pos[keep], live[keep]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         last_pos = last_pos + 1
-        logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last_pos[:, None], cache=cache,
+        step_mask = _additive_decode_mask(mask, dtype) if additive else mask
+        logits = model(input_ids=nxt[:, None], attention_mask=step_mask, position_ids=last_pos[:, None], cache=cache,
                        use_cache=True).logits[:, -1]
     return [tokenizer.decode(r, skip_special_tokens=True).strip() for r in replies]
 

@@ -103,6 +103,9 @@ class TrainSection(_Section):
     epochs: float = 1.0
     batch_tokens: int = 8192  # tokens per micro-batch (length-bucketed)
     max_batch_size: int = 64
+    # Micro-batch length rounded up to a multiple of this: few distinct shapes, so kernels
+    # built per shape (oneDNN on CPU, torch.compile) are reused instead of rebuilt per batch.
+    pad_to_multiple_of: int = Field(32, ge=1)
     grad_accum: int = 1
     max_grad_norm: float = 0.5
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: as target.dtype auto

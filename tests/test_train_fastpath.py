@@ -159,3 +159,28 @@ def test_draft_first_labels_validity_and_ties():
     assert labels.valid[0].tolist() == [True, True, False, True, False]
     assert labels.argmax[0, 1:4].tolist() == [1, -1, 2]
     torch.testing.assert_close(labels.logits[0, 1], torch.tensor([0.0, 5.0, 0.0]))
+
+
+def test_padding_a_batch_to_a_multiple_changes_neither_loss_nor_gradients():
+    """`train.pad_to_multiple_of` adds right-padding columns; they carry no loss and no
+    token attends to them."""
+    from eyas.train.batching import collate
+
+    head, batch, args = _setup({}, 20)
+    last, norm, w, draft_ids, _, lm, am = args
+    lm_head = draft_first_lm_head(w, draft_ids)
+    samples = [{"input_ids": batch["input_ids"][r, :n], "loss_mask": lm[r, :n], "aux": batch["aux"][r, :n],
+                "last": last[r, :n]} for r, n in enumerate(am.sum(1).tolist())]
+    results = []
+    for multiple in (1, 16):
+        b = collate(samples, pad_to_multiple_of=multiple)
+        assert b["input_ids"].shape[1] == (9 if multiple == 1 else 16)
+        labels = valid_row_labels(b["last"], norm, lm_head, b["loss_mask"], b["attention_mask"])
+        stats = ttt_loss_valid_rows(head, b, labels, 4, 0.8)
+        grads = torch.autograd.grad(stats.loss, [p for p in head.parameters() if p.requires_grad])
+        results.append((stats, grads))
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(a.loss, b.loss)
+    assert a.hits == b.hits and a.counts == b.counts
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y)

@@ -67,12 +67,14 @@ def cache_groups(cache) -> list[list[int]]:
     return [groups[k] for k in sorted(groups)]
 
 
-def collate(samples: list[dict], pad_id: int = 0) -> dict:
-    """Right-pad samples to the longest. Each sample holds input_ids [T] and loss_mask [T],
-    and optionally aux [T, n·Ht] / last [T, Ht]. Returns input_ids, attention_mask,
-    loss_mask [B, T] (long) and aux [B, T, n·Ht] / last [B, T, Ht] when present."""
+def collate(samples: list[dict], pad_id: int = 0, pad_to_multiple_of: int = 1) -> dict:
+    """Right-pad samples to the longest, rounded up to a multiple of `pad_to_multiple_of`.
+    Each sample holds input_ids [T] and loss_mask [T], and optionally aux [T, n·Ht] /
+    last [T, Ht]. Returns input_ids, attention_mask, loss_mask [B, T] (long) and
+    aux [B, T, n·Ht] / last [B, T, Ht] when present."""
     b = len(samples)
     t = max(len(s["input_ids"]) for s in samples)
+    t = -(-t // pad_to_multiple_of) * pad_to_multiple_of
     ids = torch.full((b, t), pad_id, dtype=torch.long)
     am = torch.zeros(b, t, dtype=torch.long)
     lm = torch.zeros(b, t, dtype=torch.long)
@@ -113,12 +115,12 @@ class BatchStream:
 
     def __init__(self, source, lengths: Sequence[int], groups: Sequence[Sequence[int]], batch_tokens: int,
                  max_batch_size: int, seed: int, rank: int = 0, world: int = 1, multiple_of: int = 1,
-                 pad_id: int = 0, position: DataPosition | None = None):
+                 pad_id: int = 0, position: DataPosition | None = None, pad_to_multiple_of: int = 1):
         self.source, self.lengths, self.groups = source, list(lengths), groups
         self.batch_tokens, self.max_batch_size, self.seed = batch_tokens, max_batch_size, seed
         self.rank, self.world = rank, world
         self.multiple_of = max(1, multiple_of) * world
-        self.pad_id = pad_id
+        self.pad_id, self.pad_to_multiple_of = pad_id, pad_to_multiple_of
         self.position = position or DataPosition()
         self._plan_epoch: int | None = None
         self._plan: list[list[int]] = []
@@ -150,7 +152,7 @@ class BatchStream:
             plan = self.plan(self.position.epoch)
         indices = plan[self.position.batches + self.rank]
         self.position = DataPosition(self.position.epoch, self.position.batches + self.world)
-        return collate([self._sample(i) for i in indices], self.pad_id)
+        return collate([self._sample(i) for i in indices], self.pad_id, self.pad_to_multiple_of)
 
     def _sample(self, i: int) -> dict:
         row = self.source[i]
@@ -161,7 +163,8 @@ class BatchStream:
 def offline_stream(cache, train_cfg, rank=0, world=1, position=None, pad_id: int = 0) -> BatchStream:
     """Batches from a `FeatureCache` (aux and last included)."""
     return BatchStream(cache, cache.lengths, cache_groups(cache), train_cfg.batch_tokens, train_cfg.max_batch_size,
-                       train_cfg.seed, rank, world, train_cfg.grad_accum, pad_id, position)
+                       train_cfg.seed, rank, world, train_cfg.grad_accum, pad_id, position,
+                       train_cfg.pad_to_multiple_of)
 
 
 def online_stream(dataset, train_cfg, rank=0, world=1, position=None, pad_id: int = 0,
@@ -171,4 +174,5 @@ def online_stream(dataset, train_cfg, rank=0, world=1, position=None, pad_id: in
     group_size = max(1, group_batches * train_cfg.max_batch_size)
     groups = dataset_groups(len(lengths), train_cfg.seed, group_size)
     return BatchStream(dataset.with_format(None), lengths, groups, train_cfg.batch_tokens, train_cfg.max_batch_size,
-                       train_cfg.seed, rank, world, train_cfg.grad_accum, pad_id, position)
+                       train_cfg.seed, rank, world, train_cfg.grad_accum, pad_id, position,
+                       train_cfg.pad_to_multiple_of)

@@ -63,7 +63,10 @@ def valid_row_labels(last_hidden: torch.Tensor, norm: nn.Module, lm_head: DraftF
     valid = torch.zeros(b * t, dtype=torch.bool, device=last_hidden.device)
     for start in range(0, rows.numel(), chunk_tokens):
         r = rows[start:start + chunk_tokens]
-        full = norm(flat[r].to(weight.dtype)) @ weight.T  # [n, Vt], draft columns first
+        # computed on a row count rounded up (repeating a row), the rest dropped: one shape
+        # per few batches instead of one per batch
+        padded = torch.cat([r, r[:1].expand(_round_up(r.numel()) - r.numel())])
+        full = (norm(flat[padded].to(weight.dtype)) @ weight.T)[:r.numel()]  # [n, Vt], draft columns first
         draft = full[:, :vd].float()
         best = argmax_rows(draft)
         logits[r] = draft
@@ -75,6 +78,16 @@ def valid_row_labels(last_hidden: torch.Tensor, norm: nn.Module, lm_head: DraftF
         argmax[r] = torch.where(inside, best, -1)
         valid[r] = inside
     return TargetLabels(logits=logits.view(b, t, vd), argmax=argmax.view(b, t), valid=valid.view(b, t))
+
+
+ROW_MULTIPLE = 64
+
+
+def _round_up(n: int, multiple: int = ROW_MULTIPLE) -> int:
+    """n rounded up to a multiple: matmul row counts drawn from few values, because CPU
+    kernels (oneDNN) and torch.compile build code per shape and rebuilding it for every
+    batch costs more than the padded rows."""
+    return -(-n // multiple) * multiple
 
 
 def _trunk_step(head, input_ids, hidden, positions, cache, mask) -> torch.Tensor:
@@ -101,6 +114,10 @@ def ttt_loss_valid_rows(head, batch: dict, labels: TargetLabels, steps: int, dec
     positions = torch.arange(t, device=input_ids.device)[None].expand(b, t)
     hid = head.combine_aux(batch["aux"])
     label_rows = labels.valid.reshape(-1).nonzero().squeeze(1)  # flat slots s, ascending
+    # The row count is rounded up with copies of slot 0 that never count (`real`), so the
+    # LM head and loss see a few shapes, not one per batch.
+    real = torch.arange(_round_up(label_rows.numel()), device=label_rows.device) < label_rows.numel()
+    label_rows = torch.cat([label_rows, label_rows.new_zeros(real.numel() - label_rows.numel())])
     label_pos = label_rows % t  # s's position inside its sample
     probs = torch.softmax(labels.logits.reshape(b * t, -1).index_select(0, label_rows).float(), dim=-1)
     label_argmax = labels.argmax.reshape(-1).index_select(0, label_rows)
@@ -109,7 +126,7 @@ def ttt_loss_valid_rows(head, batch: dict, labels: TargetLabels, steps: int, dec
     for k in range(steps):
         h = _trunk_step(head, shift_left(input_ids, 1 + k, 0), hid, positions + k, cache, mask)
         normed = head.norm(h)
-        present = label_pos >= 1 + k
+        present = (label_pos >= 1 + k) & real
         count = int(present.sum())
         if count:
             # an absent one reads some other slot (of the previous sample, or slot 0): weight 0
