@@ -67,6 +67,11 @@ def cache_groups(cache) -> list[list[int]]:
     return [groups[k] for k in sorted(groups)]
 
 
+def round_up(n: int, multiple: int) -> int:
+    """n rounded up to a multiple of `multiple`."""
+    return -(-n // multiple) * multiple
+
+
 def collate(samples: list[dict], pad_id: int = 0, pad_to_multiple_of: int = 1) -> dict:
     """Right-pad samples to the longest, rounded up to a multiple of `pad_to_multiple_of`.
     Each sample holds input_ids [T] and loss_mask [T], and optionally aux [T, n·Ht] /
@@ -74,7 +79,7 @@ def collate(samples: list[dict], pad_id: int = 0, pad_to_multiple_of: int = 1) -
     aux [B, T, n·Ht] / last [B, T, Ht] when present."""
     b = len(samples)
     t = max(len(s["input_ids"]) for s in samples)
-    t = -(-t // pad_to_multiple_of) * pad_to_multiple_of
+    t = round_up(t, pad_to_multiple_of)
     ids = torch.full((b, t), pad_id, dtype=torch.long)
     am = torch.zeros(b, t, dtype=torch.long)
     lm = torch.zeros(b, t, dtype=torch.long)

@@ -18,6 +18,7 @@ from torch import nn
 
 from eyas.heads.layers import TTTMask
 from eyas.sampling import argmax_rows
+from eyas.train.batching import round_up
 from eyas.train.losses import TargetLabels, soft_cross_entropy_rows
 from eyas.train.ttt import StepStats, shift_left
 
@@ -83,11 +84,11 @@ def valid_row_labels(last_hidden: torch.Tensor, norm: nn.Module, lm_head: DraftF
 ROW_MULTIPLE = 64
 
 
-def _round_up(n: int, multiple: int = ROW_MULTIPLE) -> int:
-    """n rounded up to a multiple: matmul row counts drawn from few values, because CPU
-    kernels (oneDNN) and torch.compile build code per shape and rebuilding it for every
-    batch costs more than the padded rows."""
-    return -(-n // multiple) * multiple
+def _round_up(n: int) -> int:
+    """n rounded up to a multiple of ROW_MULTIPLE: matmul row counts drawn from few values,
+    because CPU kernels (oneDNN) and torch.compile build code per shape and rebuilding it
+    for every batch costs more than the padded rows."""
+    return round_up(n, ROW_MULTIPLE)
 
 
 def _trunk_step(head, input_ids, hidden, positions, cache, mask) -> torch.Tensor:
