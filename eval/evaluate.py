@@ -5,13 +5,13 @@ them (DESIGN §6)."""
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 
 from eyas.data.targets import stop_token_ids
 from eyas.eval.report import summarize
-from eyas.eval.speculate import greedy_decode, speculative_decode
+from eyas.eval.speculate import greedy_decode, replay_greedy, speculative_decode
 from eyas.eval.workloads import WorkloadPrompt, render_turn
 
 log = logging.getLogger(__name__)
@@ -30,13 +30,19 @@ def first_difference(a: list[int], b: list[int]) -> Optional[int]:
 
 def run_eval(model, tokenizer, prompts: list[WorkloadPrompt], drafters: dict, k: int, max_new_tokens: int,
              temperature: float = 0.0, seed: int = 0, tie_tolerance: Optional[float] = None,
-             progress: bool = True) -> dict:
+             progress: bool = True, replay: Collection[str] = ()) -> dict:
     """Decode every turn of every prompt plainly and with each drafter.
 
-    `drafters`: name -> drafter (`HeadDrafter`, `NgramDrafter`). Returns the report body:
-    plain / per-drafter summaries, per-category and per-turn summaries, the lossless check
-    (greedy only).
+    `drafters`: name -> drafter (`HeadDrafter`, `NgramDrafter`). The drafters named in
+    `replay` (token-only ones, greedy only) are walked over the plain output with
+    `replay_greedy` instead of decoded: the same acceptance, no decode time, no tok/s.
+    Returns the report body: plain / per-drafter summaries, per-category and per-turn
+    summaries, the lossless check (greedy, decoded drafters), the names replayed.
     """
+    replay = set(replay) if temperature <= 0 else set()
+    unknown = replay - set(drafters)
+    if unknown:
+        raise ValueError(f"replay names {sorted(unknown)}, which are not among the drafters {sorted(drafters)}")
     eos = stop_token_ids(model, tokenizer)
     device = model.get_output_embeddings().weight.device
     tol = TIE_TOLERANCE.get(model.dtype, 1e-4) if tie_tolerance is None else tie_tolerance
@@ -47,8 +53,9 @@ def run_eval(model, tokenizer, prompts: list[WorkloadPrompt], drafters: dict, k:
     # Warm-up outside the timings (first calls allocate and pick kernels).
     warm = render_turn(tokenizer, prompts[0], [])
     greedy_decode(model, warm, 2, eos)
-    for d in drafters.values():
-        speculative_decode(model, warm, d, k, 2, eos)
+    for name, d in drafters.items():
+        if name not in replay:
+            speculative_decode(model, warm, d, k, 2, eos)
     turns_total = sum(len(p.turns) for p in prompts)
     bar = None
     if progress:
@@ -65,12 +72,15 @@ def run_eval(model, tokenizer, prompts: list[WorkloadPrompt], drafters: dict, k:
             cat = by_cat.setdefault(prompt.category, {name: [] for name in drafters})
             per_turn = by_turn.setdefault(turn + 1, {name: [] for name in drafters})
             for name, drafter in drafters.items():
-                gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + seq) if temperature > 0 else None
-                tr = speculative_decode(model, ids, drafter, k, max_new_tokens, eos, temperature, gen)
+                if name in replay:
+                    tr = replay_greedy(model, ids, plain.tokens, drafter, k, max_new_tokens, eos)
+                else:
+                    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + seq) if temperature > 0 else None
+                    tr = speculative_decode(model, ids, drafter, k, max_new_tokens, eos, temperature, gen)
                 traces[name].append(tr)
                 cat[name].append(tr)
                 per_turn[name].append(tr)
-                if temperature <= 0:
+                if temperature <= 0 and name not in replay:
                     checked += 1
                     pos = first_difference(plain.tokens, tr.tokens)
                     if pos is not None:
@@ -96,6 +106,7 @@ def run_eval(model, tokenizer, prompts: list[WorkloadPrompt], drafters: dict, k:
         "per_category": {c: {n: summarize(t, k) for n, t in d.items()} for c, d in by_cat.items()},
         # Later turns read the earlier replies (the target's own, plainly decoded) as context.
         "per_turn": {str(t): {n: summarize(tr, k) for n, tr in d.items()} for t, d in sorted(by_turn.items())},
+        "replayed": sorted(replay),
         "lossless": {
             "checked": checked,
             "tie_tolerance": tol,

@@ -118,10 +118,16 @@ def format_table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
 
 
+def _replay_notes(report: dict) -> list[str]:
+    return [f"{name}: replayed over the plain greedy tokens (the tau and acceptance decoding gives; tok/s not "
+            "measured: --decode-baseline decodes it)" for name in report.get("replayed", [])]
+
+
 def format_report(report: dict) -> str:
     lines = [f"target {report['target']}  head {report.get('head') or '-'}  workload {report['workload']}  "
              f"K={report['k']}  temperature={report['temperature']}  prompts={report['num_prompts']} "
              f"turns={report['num_sequences']}", format_table(table_rows(report))]
+    lines += _replay_notes(report)
     cats = report.get("per_category", {})
     if cats:
         lines.append("per category (tau):")
@@ -149,6 +155,7 @@ def markdown(report: dict) -> str:
     md += ["| " + " | ".join(r) + " |" for r in rows[1:]]
     md += ["", "tau = tokens per target forward; a_k = acceptance of draft position k given 1..k-1 accepted; "
            "TAR = accepted / proposed; tok/s measured on this machine."]
+    md += [f"- {n}" for n in _replay_notes(report)]
     notes = verdicts(report)
     if notes:
         md += [""] + [f"- {n}" for n in notes]

@@ -177,6 +177,51 @@ def speculative_decode(model, prompt: list[int], drafter, k: int, max_new_tokens
     return trace
 
 
+@torch.no_grad()
+def replay_greedy(model, prompt: list[int], reference: list[int], drafter, k: int, max_new_tokens: int,
+                  eos_ids: set[int]) -> DecodeTrace:
+    """The trace `speculative_decode` gives at temperature 0, for a drafter that reads only
+    tokens (`aux_layer_ids` empty, e.g. n-gram), walked over the plain greedy output
+    `reference` instead of decoded: under greedy a draft token is accepted exactly when it
+    equals the target's next greedy token, which `reference` already holds. Only a draft
+    that runs past the end of `reference` (over its EOS or its `max_new_tokens`) still
+    matching needs the target: one forward over the context gives the tokens there.
+    `seconds` is 0: nothing was timed, so tok/s stays unmeasured."""
+    if drafter.aux_layer_ids:
+        raise ValueError(f"replay_greedy needs a drafter that reads tokens only; {drafter.name!r} reads target states")
+    device = model.get_output_embeddings().weight.device
+    trace = DecodeTrace(tokens=[], seconds=0.0, forwards=1)
+    last = reference[0]
+    drafter.start(prompt, last, None)
+    generated = [last]
+    while last not in eos_ids and len(generated) < max_new_tokens:
+        draft = drafter.propose(k)[0].tolist()
+        kd, g = len(draft), len(generated)
+        truth = reference[g:g + kd + 1]  # the target's greedy token at positions g .. g+kd
+        n = 0
+        while n < kd and n < len(truth) and draft[n] == truth[n]:
+            n += 1
+        if n == len(truth):  # every known position matched: the target decides the rest
+            ids = torch.tensor([prompt + generated + draft], device=device)
+            truth = model(input_ids=ids).logits[0, len(prompt) + g - 1:].argmax(-1).tolist()
+            while n < kd and draft[n] == truth[n]:
+                n += 1
+        new = draft[:n] + [truth[n]]
+        trace.forwards += 1
+        trace.drafted.append(kd)
+        trace.accepted.append(n)
+        drafter.commit(new, None)
+        generated.extend(new)
+        last = new[-1]
+        for i, tok in enumerate(new):
+            if tok in eos_ids:
+                generated = generated[: len(generated) - len(new) + i + 1]
+                last = tok
+                break
+    trace.tokens = generated[:max_new_tokens]
+    return trace
+
+
 class HeadDrafter:
     """An EAGLE-3 or P-EAGLE head behind the drafter interface. It keeps the head's KV
     cache across steps and feeds `head.draft` the step-0 entries committed since the

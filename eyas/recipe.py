@@ -55,6 +55,10 @@ class DataSection(_Section):
     over_length: Literal["drop", "truncate"] = "drop"
     train_on: Literal["all", "last"] = "all"  # which assistant turns carry loss
     max_turns: Optional[int] = None  # keep at most this many assistant turns per conversation
+    # Drop a conversation that repeats an earlier one (after max_turns; with regeneration,
+    # its user and system turns: the replies are the target's anyway). ShareGPT repeats
+    # ~6% of its first 5,000 prompts ("continue", "hi", the same question asked twice).
+    dedupe: bool = True
     eval_fraction: float = 0.02
     regenerate: RegenerateSection = Field(default_factory=RegenerateSection)
     features: Literal["offline", "online"] = "offline"  # capture cache, or target on the fly
@@ -155,6 +159,10 @@ class EvalSection(_Section):
     baseline: Optional[Literal["ngram"]] = "ngram"
     ngram_min: int = 5  # vLLM's prompt_lookup_min / _max defaults
     ngram_max: int = 5
+    # False: beside a head, under greedy, the baseline is replayed over the plain greedy
+    # tokens (the same tau and acceptance, none of its decode time; its tok/s is not
+    # measured). True, or no head: decoded against the target, its tok/s measured.
+    decode_baseline: bool = False
     seed: int = 0
 
 

@@ -279,3 +279,47 @@ def test_accepted_draft_eos_stops_like_plain_greedy(tiny_llama_dir):
 
     out = speculative_decode(target.model, prompt, Oracle(), 3, 24, eos_ids=eos).tokens
     assert out == expected == plain[:stop + 1]
+
+
+@pytest.mark.parametrize("eos_at", [None, 9])
+def test_ngram_replay_gives_the_decoded_trace(tiny_llama_dir, eos_at):
+    """Replaying prompt lookup over the plain greedy tokens gives the trace that decoding
+    it against the target gives: the same drafts, acceptances and tokens, also when a
+    draft runs on past the reference's EOS or past max_new_tokens (the target is asked)."""
+    from eyas.eval.speculate import replay_greedy
+
+    target, perm = bigram_target(tiny_llama_dir)
+    model = target.model
+
+    def chain(x, n):  # the target's greedy continuation of x: x, perm(x), perm(perm(x)), ...
+        out = [x]
+        while len(out) < n:
+            out.append(int(perm[out[-1]]))
+        return out
+
+    # a prompt that already holds the greedy continuation of its own ending: prompt
+    # lookup drafts it, and the target accepts
+    prompts = [chain(x, 14) + [11, 12, 13] + chain(x, 3) for x in (4, 50, 120)]
+    checked_steps = 0
+    for prompt in prompts:
+        for max_new in (17, 40):
+            free = greedy_decode(model, prompt, max_new, set()).tokens
+            eos = {free[eos_at]} if eos_at is not None and eos_at < len(free) else set()
+            plain = greedy_decode(model, prompt, max_new, eos).tokens
+            decoded = speculative_decode(model, prompt, NgramDrafter(2, 3), 5, max_new, eos)
+            replayed = replay_greedy(model, prompt, plain, NgramDrafter(2, 3), 5, max_new, eos)
+            assert replayed.tokens == decoded.tokens == plain
+            assert replayed.drafted == decoded.drafted
+            assert replayed.accepted == decoded.accepted
+            assert replayed.forwards == decoded.forwards
+            checked_steps += sum(1 for a in decoded.accepted if a)
+    assert checked_steps > 10  # prompt lookup was accepted often enough to mean something
+
+
+def test_replay_refuses_a_drafter_that_reads_target_states(tiny_llama_dir):
+    from eyas.eval.speculate import replay_greedy
+
+    target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    head = HeadDrafter(random_head(target.model))
+    with pytest.raises(ValueError, match="reads target states"):
+        replay_greedy(target.model, [5, 6, 7], [8, 9], head, 3, 8, set())

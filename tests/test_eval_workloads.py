@@ -85,7 +85,9 @@ def test_eval_cli_baseline_and_head(tmp_path, tiny_llama_dir, capsys):
               "--no-progress", "target.dtype=float32", "target.device=cpu", "eval.ngram_min=1", "eval.ngram_max=3"]
     rc = main(["eval", *common, "--head", str(tmp_path / "head"), "--out", str(tmp_path / "ev"), "--json"])
     report = json.loads(capsys.readouterr().out)
-    assert rc == 0 and report["lossless"]["passed"] and report["lossless"]["checked"] == 8
+    # beside a head the n-gram baseline is replayed over the plain tokens: only the head is checked
+    assert rc == 0 and report["lossless"]["passed"] and report["lossless"]["checked"] == 4
+    assert report["replayed"] == ["ngram"] and report["drafters"]["ngram"]["tokens_per_s"] is None
     assert set(report["drafters"]) == {"head", "ngram"} and set(report["per_category"]) == {"a", "b"}
     # two turns per prompt: each turn's summary counts one sequence per prompt
     assert set(report["per_turn"]) == {"1", "2"}
@@ -95,6 +97,15 @@ def test_eval_cli_baseline_and_head(tmp_path, tiny_llama_dir, capsys):
     assert a1 < 0.3 and any("first draft token" in w and "below 30%" in w for w in report["warnings"])
     for name in ("eval_report.json", "eval_report.md", "eval_report.png"):
         assert (tmp_path / "ev" / name).stat().st_size > 100
+    # --decode-baseline decodes it: the same acceptance, its tok/s measured, both checked
+    rc = main(["eval", *common, "--head", str(tmp_path / "head"), "--out", str(tmp_path / "ev1"), "--json",
+               "--decode-baseline"])
+    decoded = json.loads(capsys.readouterr().out)
+    assert rc == 0 and decoded["lossless"]["checked"] == 8 and decoded["replayed"] == []
+    replayed_ngram, decoded_ngram = report["drafters"]["ngram"], decoded["drafters"]["ngram"]
+    assert decoded_ngram["tokens_per_s"] > 0
+    for key in ("tau", "verify_steps", "accepted", "proposed", "per_position_acceptance"):
+        assert replayed_ngram[key] == decoded_ngram[key], key
     rc = main(["eval", *common, "--baseline", "ngram", "--out", str(tmp_path / "ev2")])
     out = capsys.readouterr().out
     assert rc == 0 and "plain greedy" in out and "ngram" in out and "lossless check: PASSED" in out

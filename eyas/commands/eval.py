@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", choices=["ngram", "none"], help="prompt-lookup baseline (default: eval.baseline)")
     parser.add_argument("--ngram-min", type=int)
     parser.add_argument("--ngram-max", type=int)
+    parser.add_argument("--decode-baseline", action="store_true", default=None,
+                        help="decode the baseline against the target to measure its tok/s (default under greedy: "
+                             "replay it over the plain greedy tokens, the same tau and acceptance)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"],
                         help="the target's dtype while evaluating (default: eval.dtype, else target.dtype)")
@@ -59,6 +62,14 @@ def load_eval_head(head_dir: str, target):
                          f"{cfg.target_hidden_size}, but the target has {target.vocab_size} / {target.hidden_size}")
     device = embed.device
     return head.to(device=device, dtype=embed.dtype if device.type == "cuda" else None).eval()
+
+
+def _replayed(drafters: dict, decode_baseline: bool) -> set[str]:
+    """The baseline is replayed beside a head unless asked to decode; alone, it is what
+    is being measured, so it is decoded."""
+    if decode_baseline or "head" not in drafters:
+        return set()
+    return {"ngram"} & set(drafters)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     max_new = pick(args.max_new_tokens, ev.max_new_tokens)
     body = run_eval(target.model, target.tokenizer, prompts, drafters, k, max_new, temperature,
                     seed=pick(args.seed, ev.seed), tie_tolerance=args.tie_tolerance,
-                    progress=not args.no_progress and not args.json)
+                    progress=not args.no_progress and not args.json,
+                    replay=_replayed(drafters, pick(args.decode_baseline, ev.decode_baseline)))
     report = {"target": target.hub_id, "head": head_dir,
               "algorithm": drafters["head"].head.config.algorithm if "head" in drafters else None,
               "workload": workload, "k": k, "temperature": temperature, "max_new_tokens": max_new,
