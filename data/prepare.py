@@ -63,6 +63,21 @@ def keep_first_turns(conversation: list[dict], max_turns: int) -> list[dict]:
     return out
 
 
+def drop_duplicates(conversations: list[list[dict]], prompts_only: bool) -> tuple[list[list[dict]], int]:
+    """The conversations without those repeating an earlier one -> (kept, number dropped).
+    `prompts_only`: compare only the user and system turns (the replies will be
+    regenerated); otherwise every message. Contents are compared after stripping
+    surrounding whitespace."""
+    seen, kept = set(), []
+    for conv in conversations:
+        key = tuple((m["role"], m["content"].strip()) for m in conv if not (prompts_only and m["role"] == "assistant"))
+        if key in seen:
+            continue
+        seen.add(key)
+        kept.append(conv)
+    return kept, len(conversations) - len(kept)
+
+
 def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Deterministic held-out split: a seeded shuffle; eval gets round(n * fraction) rows
     (at least one when the fraction is positive and n > 1)."""
@@ -103,6 +118,11 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
     log.info("read: %s", report.summary())
     if cfg.max_turns is not None:
         conversations = [keep_first_turns(c, cfg.max_turns) for c in conversations]
+    if cfg.dedupe:
+        conversations, repeated = drop_duplicates(conversations, prompts_only=cfg.regenerate.enabled)
+        if repeated:
+            report.kept -= repeated
+            report.drop("duplicate", repeated)
     if cfg.regenerate.enabled:
         if target is None and cfg.regenerate.backend == "hf":
             t = recipe.target

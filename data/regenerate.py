@@ -3,14 +3,17 @@ replies, since a draft head learns the target's distribution, not the dataset's.
 
 Multi-turn conversations are regenerated turn by turn: reply k is generated from the
 history whose earlier replies are already the target's own, so every trained turn is
-conditioned as at serving time. Output is a JSONL file, one `{"index", "messages"}` record
-per conversation, appended and fsynced after every batch; a rerun reads the whole
-records already there (a cut-off last line is ignored) and continues after them.
+conditioned as at serving time. Output is a JSONL file, one `{"index", "source",
+"messages"}` record per conversation (`source`: a digest of the turns it was generated
+from), appended and fsynced after every batch; a rerun keeps the whole records already
+there whose source still matches the conversation at that index (a cut-off last line is
+ignored, a record of other data is generated again) and continues after them.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -26,9 +29,15 @@ from eyas.sampling import sample_tokens
 log = logging.getLogger(__name__)
 
 
-def _done_records(path: Path) -> dict[int, list[dict]]:
-    """Whole records already written; a line cut off by a kill is removed from the file so
-    appending continues on a fresh line."""
+def source_digest(conversation: list[dict]) -> str:
+    """What a reply record was generated from: a digest of the user and system turns."""
+    key = [[m["role"], m["content"]] for m in conversation if m["role"] != "assistant"]
+    return hashlib.sha256(json.dumps(key, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def _done_records(path: Path) -> dict[int, tuple[str, list[dict]]]:
+    """Whole records already written, index -> (source digest, messages); a line cut off
+    by a kill is removed from the file so appending continues on a fresh line."""
     done = {}
     if path.is_file():
         data = path.read_bytes()
@@ -39,8 +48,8 @@ def _done_records(path: Path) -> dict[int, list[dict]]:
             for line in f:
                 try:
                     rec = json.loads(line)
-                    done[int(rec["index"])] = rec["messages"]
-                except (json.JSONDecodeError, KeyError, ValueError):
+                    done[int(rec["index"])] = (rec.get("source", ""), rec["messages"])
+                except (json.JSONDecodeError, KeyError, ValueError, TypeError):
                     continue  # the line a kill cut off
     return done
 
@@ -235,7 +244,15 @@ def regenerate(
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = _done_records(out_path)
+    sources = [source_digest(c) for c in conversations]
+    records = _done_records(out_path)
+    # a record whose source differs came from other data (another max_samples, dedupe,
+    # max_turns): generated again, and the later record wins on the next read
+    done = {i: msgs for i, (src, msgs) in records.items() if i < len(conversations) and src == sources[i]}
+    stale = sum(1 for i in records if i not in done)
+    if stale:
+        log.warning("%s: %d records were generated from other conversations than these; generating them again",
+                    out_path, stale)
     todo = [i for i in range(len(conversations)) if i not in done]
     # Batches are formed by the token length of the first prompt to generate from, so left
     # padding wastes little: sorting by characters of the first two messages let the
@@ -256,7 +273,7 @@ def regenerate(
     with open(out_path, "a", encoding="utf-8") as f:
         if too_long:  # ended before their first reply, as the loop below would end them
             for i in too_long:
-                f.write(json.dumps({"index": i, "messages": []}) + "\n")
+                f.write(json.dumps({"index": i, "source": sources[i], "messages": []}) + "\n")
                 done[i] = []
             f.flush()
             os.fsync(f.fileno())
@@ -300,7 +317,8 @@ def regenerate(
             for i in batch:
                 while histories[i] and histories[i][-1]["role"] != "assistant":
                     histories[i].pop()
-                f.write(json.dumps({"index": i, "messages": histories[i]}, ensure_ascii=False) + "\n")
+                f.write(json.dumps({"index": i, "source": sources[i], "messages": histories[i]},
+                                   ensure_ascii=False) + "\n")
                 done[i] = histories[i]
             f.flush()
             os.fsync(f.fileno())

@@ -107,6 +107,12 @@ def test_regeneration_turn_by_turn_and_resume(tiny_llama_dir, tmp_path):
     assert resumed == full
     records = [json.loads(line) for line in out.read_text().splitlines()]  # the cut line was removed
     assert sorted(r["index"] for r in records) == list(range(5))
+    # The same file read for other conversations (another max_samples, dedupe, ...):
+    # records generated from other prompts are generated again, not paired with these.
+    shifted = convs[1:] + [[{"role": "user", "content": "new"}, {"role": "assistant", "content": "old"}]]
+    again = regenerate(shifted, target.tokenizer, out, **kw)
+    fresh = regenerate(shifted, target.tokenizer, tmp_path / "fresh.jsonl", **kw)
+    assert again == fresh and again[0] == full[1]
 
 
 def test_max_turns_and_prompt_cap_limit_regeneration(tiny_llama_dir, tmp_path):
@@ -167,7 +173,7 @@ def test_no_eval_split_when_eval_fraction_is_zero(tiny_llama_dir, tmp_path):
 
 
 def test_prompts_too_long_to_regenerate_are_counted(tiny_llama_dir, tmp_path):
-    rows = [{"conversations": [{"from": "human", "value": "q" * (400 if k == 0 else 5)},
+    rows = [{"conversations": [{"from": "human", "value": "q" * (400 if k == 0 else 5 + k)},
                                {"from": "gpt", "value": "a"}]} for k in range(4)]
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
@@ -268,3 +274,33 @@ def test_sliding_window_targets_keep_the_masks_transformers_builds(tiny_llama_di
     assert _takes_additive_decode_mask(model)
     model.config.layer_types = ["sliding_attention"] + ["full_attention"] * (model.config.num_hidden_layers - 1)
     assert not _takes_additive_decode_mask(model)
+
+
+def test_repeated_conversations_are_dropped_and_counted(tiny_llama_dir, tmp_path):
+    """The same prompt twice (with different dataset replies, as ShareGPT repeats
+    questions) is regenerated once; without regeneration only exact repeats go."""
+    from eyas.data.prepare import drop_duplicates
+
+    def conv(q, a):
+        return [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+
+    convs = [conv("hi", "a"), conv("hi ", "b"), conv("other", "a"), conv("hi", "a")]
+    kept, dropped = drop_duplicates(convs, prompts_only=True)
+    assert kept == [convs[0], convs[2]] and dropped == 2
+    kept, dropped = drop_duplicates(convs, prompts_only=False)
+    assert kept == convs[:3] and dropped == 1
+
+    rows = [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "x"}]}
+            for q in ["what is 2+2?", "hello there", "what is 2+2?", "tell me more"]]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    run = tmp_path / "run"
+    args = ["prepare", "--no-progress", f"run_dir={run}", f"target.name_or_path={tiny_llama_dir}",
+            f"data.sources=[{corpus}]", "data.max_length=300", "data.eval_fraction=0",
+            "data.regenerate.enabled=true", "data.regenerate.max_new_tokens=4", "target.dtype=float32"]
+    assert main(args) == 0
+    report = json.loads((run / "prepared" / "drop_report.json").read_text())
+    assert report["dropped"].get("duplicate") == 1 and report["read"] == 4
+    assert len((run / "prepared" / "regenerated.jsonl").read_text().splitlines()) == 3
+    assert main([*args, f"run_dir={tmp_path}/r2", "data.dedupe=false"]) == 0
+    assert len((tmp_path / "r2" / "prepared" / "regenerated.jsonl").read_text().splitlines()) == 4
