@@ -184,3 +184,45 @@ def test_padding_a_batch_to_a_multiple_changes_neither_loss_nor_gradients():
     assert a.hits == b.hits and a.counts == b.counts
     for x, y in zip(ga, gb):
         torch.testing.assert_close(x, y)
+
+
+def test_known_validity_multiplies_only_the_draft_rows_and_gives_the_same_labels():
+    """A later epoch passes the validity an earlier one found: the labels are the same,
+    and the non-draft rows of the LM head are never read (NaN there changes nothing)."""
+    _, _, args = _setup({}, 20)
+    last, norm, w, draft_ids, _, lm, am = args
+    lm_head = draft_first_lm_head(w, draft_ids)
+    first = valid_row_labels(last, norm, lm_head, lm, am)
+    label_slots = int((lm[:, 1:].bool() & am[:, 1:].bool()).sum())
+    assert 0 < int(first.valid.sum()) < label_slots  # some targets' argmax lies outside the draft vocabulary
+    poisoned = lm_head.weight.clone()
+    poisoned[lm_head.draft_size:] = float("nan")
+    again = valid_row_labels(last, norm, type(lm_head)(poisoned, lm_head.draft_size), lm, am,
+                             known_valid=first.valid)
+    assert torch.equal(again.valid, first.valid) and torch.equal(again.argmax, first.argmax)
+    torch.testing.assert_close(again.logits, first.logits)
+
+
+def test_feature_source_remembers_validity_per_split_and_sample():
+    """The trainer's label step: the first epoch decides validity over the whole
+    vocabulary and remembers it per (split, sample); the next epoch's batch of the same
+    samples, in another order, gets the same labels from the draft rows alone."""
+    from eyas.train.build import FrozenOutput
+    from eyas.train.loop import FeatureSource
+
+    head, batch, args = _setup({}, 20)
+    last, norm, w, draft_ids, _, lm, am = args
+    features = FeatureSource(None, [1, 2, 3], FrozenOutput(norm=norm, lm_head_weight=w), head)
+    first_batch = dict(batch, index=torch.tensor([7, 3, 5]))
+    _, first = features.complete(dict(first_batch))
+    assert sorted(features._valid) == [("train", 3), ("train", 5), ("train", 7)]
+    features.lm_head.weight[features.lm_head.draft_size:] = float("nan")  # now only a remembered split works
+    order = torch.tensor([2, 0, 1])
+    second_batch = {k: v[order] for k, v in first_batch.items()}
+    _, second = features.complete(second_batch)
+    assert torch.equal(second.valid, first.valid[order]) and torch.equal(second.argmax, first.argmax[order])
+    torch.testing.assert_close(second.logits, first.logits[order])
+    # the eval split's sample 3 is another sample: not served from the train split's
+    # memory (the whole vocabulary is read, NaN rows included, so nothing comes out valid)
+    _, other = features.complete(dict(first_batch), split="eval")
+    assert not other.valid.any() and ("eval", 3) in features._valid

@@ -28,6 +28,17 @@ def _stream(position=None, rank=0, world=1):
                        position=position)
 
 
+def test_stream_batches_name_their_samples():
+    stream = _stream()
+    source = stream.source
+    for _ in range(5):
+        batch = next(stream)
+        for row, i in enumerate(batch["index"].tolist()):
+            n = len(source[i]["input_ids"])
+            assert batch["input_ids"][row, :n].tolist() == source[i]["input_ids"]
+            assert int(batch["attention_mask"][row].sum()) == n
+
+
 def test_plan_is_deterministic_per_seed_and_epoch():
     lengths = [3 + (7 * i) % 29 for i in range(40)]
     groups = [list(range(40))]

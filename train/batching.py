@@ -157,7 +157,9 @@ class BatchStream:
             plan = self.plan(self.position.epoch)
         indices = plan[self.position.batches + self.rank]
         self.position = DataPosition(self.position.epoch, self.position.batches + self.world)
-        return collate([self._sample(i) for i in indices], self.pad_id, self.pad_to_multiple_of)
+        batch = collate([self._sample(i) for i in indices], self.pad_id, self.pad_to_multiple_of)
+        batch["index"] = torch.tensor(indices, dtype=torch.long)  # the samples' indices in `source`
+        return batch
 
     def _sample(self, i: int) -> dict:
         row = self.source[i]

@@ -52,24 +52,41 @@ def _to_device(batch: dict, device) -> dict:
 
 class FeatureSource:
     """Adds aux / last to a batch: already there (offline cache) or computed by the frozen
-    target (online)."""
+    target (online), and the target labels. Which label slots are valid (the target's
+    argmax inside the draft vocabulary) is remembered per sample (`batch["index"]`), so
+    later epochs multiply only the draft rows of the target's LM head."""
 
     def __init__(self, target_model, aux_layer_ids: list[int], output: FrozenOutput, head):
         self.target_model = target_model
         self.aux_layer_ids = aux_layer_ids
         self.output = output
         self.lm_head = draft_first_lm_head(output.lm_head_weight, head.draft_token_ids())
+        self._valid: dict[tuple[str, int], torch.Tensor] = {}  # (split, index) -> valid label slots [T_i], CPU
 
     @torch.no_grad()
-    def complete(self, batch: dict):
-        """batch -> (batch with aux/last, TargetLabels)."""
+    def complete(self, batch: dict, split: str = "train"):
+        """batch -> (batch with aux/last, TargetLabels). `split` names the source whose
+        sample indices `batch["index"]` holds (absent: nothing remembered)."""
         if "aux" not in batch:
             from eyas.data.targets import compute_features
 
             batch["aux"], batch["last"] = compute_features(self.target_model, batch["input_ids"],
                                                            batch["attention_mask"], self.aux_layer_ids)
+        index = batch.pop("index", None)
+        known = None
+        keys = [(split, i) for i in index.tolist()] if index is not None else []
+        if keys and all(k in self._valid for k in keys):
+            known = torch.zeros(batch["loss_mask"].shape, dtype=torch.bool)
+            for row, k in enumerate(keys):
+                v = self._valid[k]
+                known[row, :v.numel()] = v
+            known = known.to(batch["loss_mask"].device)
         labels = valid_row_labels(batch["last"], self.output.norm, self.lm_head, batch["loss_mask"],
-                                  batch["attention_mask"])
+                                  batch["attention_mask"], known_valid=known)
+        if keys and known is None:
+            lengths = batch["attention_mask"].sum(1).tolist()
+            for row, k in enumerate(keys):
+                self._valid[k] = labels.valid[row, :lengths[row]].cpu()
         return batch, labels
 
 
@@ -121,7 +138,7 @@ def evaluate(accelerator, model, features: FeatureSource, recipe, source, pad_id
     model.eval()
     with torch.no_grad():
         for _ in range(n):
-            batch, labels = features.complete(_to_device(next(stream), accelerator.device))
+            batch, labels = features.complete(_to_device(next(stream), accelerator.device), split="eval")
             with accelerator.autocast():
                 meter.add(model(batch, labels, None))
     model.train()
