@@ -127,6 +127,17 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tenso
     return n, int(torch.multinomial(dist, 1, generator=generator))
 
 
+def _extend_to_eos(generated: list[int], new: list[int], eos_ids: set[int]) -> int:
+    """Append one verify step's tokens to `generated` (in place), up to and including the
+    first EOS among them: an accepted draft token can be the EOS, and decoding stops
+    there as plain greedy does. Returns the last token kept."""
+    for tok in new:
+        generated.append(tok)
+        if tok in eos_ids:
+            break
+    return generated[-1]
+
+
 @torch.no_grad()
 def speculative_decode(model, prompt: list[int], drafter, k: int, max_new_tokens: int, eos_ids: set[int],
                        temperature: float = 0.0, generator=None) -> DecodeTrace:
@@ -164,14 +175,7 @@ def speculative_decode(model, prompt: list[int], drafter, k: int, max_new_tokens
             trace.accepted.append(n)
             aux = grabbed.get("aux")
             drafter.commit(new, aux[0, : n + 1] if aux is not None else None)
-            generated.extend(new)
-            last = bonus
-            for i, tok in enumerate(new):
-                if tok in eos_ids:
-                    # an accepted draft token can be the EOS: stop there, as plain greedy does
-                    generated = generated[: len(generated) - len(new) + i + 1]
-                    last = tok
-                    break
+            last = _extend_to_eos(generated, new, eos_ids)
     trace.tokens = generated[:max_new_tokens]
     trace.seconds = time.perf_counter() - start
     return trace
@@ -211,13 +215,7 @@ def replay_greedy(model, prompt: list[int], reference: list[int], drafter, k: in
         trace.drafted.append(kd)
         trace.accepted.append(n)
         drafter.commit(new, None)
-        generated.extend(new)
-        last = new[-1]
-        for i, tok in enumerate(new):
-            if tok in eos_ids:
-                generated = generated[: len(generated) - len(new) + i + 1]
-                last = tok
-                break
+        last = _extend_to_eos(generated, new, eos_ids)
     trace.tokens = generated[:max_new_tokens]
     return trace
 
