@@ -73,20 +73,14 @@ def valid_row_labels(last_hidden: torch.Tensor, norm: nn.Module, lm_head: DraftF
         # computed on a row count rounded up (repeating a row), the rest dropped: one shape
         # per few batches instead of one per batch
         padded = torch.cat([r, r[:1].expand(_round_up(r.numel()) - r.numel())])
-        rows_in = norm(flat[padded].to(weight.dtype))
-        if known_valid is not None:
-            draft = (rows_in @ weight[:vd].T)[:r.numel()].float()
-            best = argmax_rows(draft)
-            logits[r] = draft
-            inside = known_valid.reshape(-1)[r].bool()
-            argmax[r] = torch.where(inside, best, -1)
-            valid[r] = inside
-            continue
-        full = (rows_in @ weight.T)[:r.numel()]  # [n, Vt], draft columns first
+        read = weight[:vd] if known_valid is not None else weight  # draft rows first
+        full = (norm(flat[padded].to(weight.dtype)) @ read.T)[:r.numel()]  # [n, Vt or Vd]
         draft = full[:, :vd].float()
         best = argmax_rows(draft)
         logits[r] = draft
-        if vd < full.shape[1]:
+        if known_valid is not None:
+            inside = known_valid.reshape(-1)[r].bool()
+        elif vd < full.shape[1]:
             # amax without indices is several times cheaper than argmax over Vt on CPU
             inside = draft.gather(1, best[:, None])[:, 0] >= full[:, vd:].amax(-1).float()
         else:
