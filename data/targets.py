@@ -57,6 +57,20 @@ def attention_implementation(config, requested: str | None = None) -> str:
     return "sdpa" if _supports_sdpa(config) else "eager"
 
 
+GQA_SDPA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+def prefer_gqa_sdpa_on_cpu() -> None:
+    """Have transformers' SDPA attention pass grouped keys/values to torch (`enable_gqa`)
+    even under a padding mask. Its default there copies the KV cache once per query head
+    group (`repeat_kv`), or, for one decode query, folds the groups into the query axis;
+    on CPU the grouped kernel took a batch-256 SmolLM2 regeneration decode step from 0.51
+    to 0.38 s and regeneration from 508 to 558 reply tokens/s (scripts/bench_regenerate.py).
+    Not set for GPUs, where transformers says a masked grouped call falls back to the
+    unfused kernel. A value the user exported (e.g. 0) is kept."""
+    os.environ.setdefault(GQA_SDPA_ENV, "1")
+
+
 def _supports_sdpa(config) -> bool:
     from transformers import AutoModelForCausalLM
 
@@ -186,6 +200,8 @@ def load_target(
     )
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
     model.to(dev)
+    if dev.type == "cpu":
+        prefer_gqa_sdpa_on_cpu()
     # The id a serving config should name: the Hub id when there is one.
     hub_id = SMOLLM2_HUB_ID if name_or_path == SMOLLM2_ALIAS else name_or_path
     return Target(model=freeze(model), tokenizer=tokenizer, path=path, hub_id=hub_id)

@@ -50,6 +50,44 @@ def test_a_cached_decode_step_continues_the_context(tiny_llama_dir):
     torch.testing.assert_close(step, model(input_ids=ids).logits[0, -1], rtol=1e-4, atol=1e-4)
 
 
+def test_cpu_targets_attend_with_grouped_kv_under_a_padding_mask(tiny_llama_dir, monkeypatch):
+    """On CPU a padded batch reaches torch's SDPA with the KV heads grouped (`enable_gqa`)
+    instead of copied per query head, with the logits of the copying path; a value the
+    user exported is kept."""
+    import os
+
+    import torch
+    import torch.nn.functional as F
+
+    from eyas.data.targets import GQA_SDPA_ENV
+
+    monkeypatch.delenv(GQA_SDPA_ENV, raising=False)
+    model = load_target(str(tiny_llama_dir), dtype="float32", device="cpu").model
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    assert os.environ[GQA_SDPA_ENV] == "1"
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((k.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    ids = torch.randint(3, 300, (3, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = mask[2, :1] = 0  # left padding
+    grouped = model(input_ids=ids, attention_mask=mask).logits
+    assert seen and all(heads == model.config.num_key_value_heads and gqa for heads, gqa in seen)
+    seen.clear()
+    monkeypatch.setenv(GQA_SDPA_ENV, "0")
+    copied = model(input_ids=ids, attention_mask=mask).logits
+    assert seen and not any(gqa for _, gqa in seen)
+    real = mask.bool()
+    torch.testing.assert_close(grouped[real], copied[real], rtol=1e-5, atol=1e-5)
+    load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    assert os.environ[GQA_SDPA_ENV] == "0"
+
+
 def test_missing_local_target_is_a_clear_error(tmp_path):
     with pytest.raises(TargetLoadError, match="not found"):
         load_target(str(tmp_path / "nope"), device="cpu")
