@@ -64,8 +64,8 @@ def prefer_gqa_sdpa_on_cpu() -> None:
     """Have transformers' SDPA attention pass grouped keys/values to torch (`enable_gqa`)
     even under a padding mask. Its default there copies the KV cache once per query head
     group (`repeat_kv`), or, for one decode query, folds the groups into the query axis;
-    on CPU the grouped kernel took a batch-256 SmolLM2 regeneration decode step from 0.51
-    to 0.38 s and regeneration from 508 to 558 reply tokens/s (scripts/bench_regenerate.py).
+    on CPU the grouped kernel took SmolLM2 regeneration at batch 256 from 508 to 558
+    reply tokens/s (scripts/bench_regenerate.py, this variable at 0 and at 1).
     Not set for GPUs, where transformers says a masked grouped call falls back to the
     unfused kernel. A value the user exported (e.g. 0) is kept."""
     os.environ.setdefault(GQA_SDPA_ENV, "1")
