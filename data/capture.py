@@ -15,13 +15,13 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from eyas.data.cache import (FORMAT, atomic_write, bytes_per_token, quantize_fp8, read_manifest,
                              sha256_bytes, write_manifest)
-from eyas.data.targets import compute_features
+from eyas.data.targets import compute_features, text_config
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +97,14 @@ def _pad_batch(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.
 
 
 def capture_shard(model, input_ids: Sequence[list[int]], loss_mask: Sequence[list[int]], batches: list[list[int]],
-                  aux_layer_ids: Sequence[int], aux_dtype: str, pad_id: int) -> dict[str, torch.Tensor]:
-    """Run the target over one shard's batches; returns the shard's tensors (cache.py format).
+                  aux_layer_ids: Sequence[int], aux_dtype: str, pad_id: int,
+                  stored_states: Optional[Callable[[int], Optional[torch.Tensor]]] = None,
+                  ) -> tuple[dict[str, torch.Tensor], int]:
+    """Run the target over one shard's batches; returns the shard's tensors (cache.py format)
+    and how many samples were copied from `stored_states`.
 
+    `stored_states(i)`: sample i's states `[T_i, (n+1)*Ht]` kept from regeneration
+    (data/fed_states.py), or None; the target runs only over the samples without them.
     The rows go straight into buffers sized for the whole shard, so no batch's activations
     outlive it (kept views would pin every batch's padded tensors until the shard is saved)."""
     device = next(model.parameters()).device
@@ -110,25 +115,35 @@ def capture_shard(model, input_ids: Sequence[list[int]], loss_mask: Sequence[lis
         "input_ids": torch.tensor([t for i in order for t in input_ids[i]], dtype=torch.int32),
         "loss_mask": torch.tensor([t for i in order for t in loss_mask[i]], dtype=torch.uint8),
     }
+    hidden = text_config(model.config).hidden_size
+    out["aux"] = torch.empty(total, len(aux_layer_ids) * hidden, dtype=torch.bfloat16)
+    out["last"] = torch.empty(total, hidden, dtype=torch.bfloat16)
+    copied = 0
     at = 0
     for batch in batches:
-        rows = [input_ids[i] for i in batch]
-        ids, mask = _pad_batch(rows, pad_id)
-        aux, last = compute_features(model, ids.to(device), mask.to(device), aux_layer_ids)
-        if "aux" not in out:
-            out["aux"] = torch.empty(total, aux.shape[-1], dtype=torch.bfloat16)
-            out["last"] = torch.empty(total, last.shape[-1], dtype=torch.bfloat16)
-        for b, row in enumerate(rows):
-            n = len(row)
-            out["aux"][at:at + n] = aux[b, :n]
-            out["last"][at:at + n] = last[b, :n]
+        stored = {i: stored_states(i) for i in batch} if stored_states is not None else {}
+        run = [i for i in batch if stored.get(i) is None]
+        if run:
+            ids, mask = _pad_batch([input_ids[i] for i in run], pad_id)
+            aux, last = compute_features(model, ids.to(device), mask.to(device), aux_layer_ids)
+        for i in batch:
+            n = len(input_ids[i])
+            if stored.get(i) is not None:
+                out["aux"][at:at + n] = stored[i][:, :-hidden]
+                out["last"][at:at + n] = stored[i][:, -hidden:]
+                copied += 1
+            else:
+                b = run.index(i)
+                out["aux"][at:at + n] = aux[b, :n]
+                out["last"][at:at + n] = last[b, :n]
             at += n
-        del aux, last
+        if run:
+            del aux, last
     if aux_dtype == "fp8":
         out["aux"], out["aux_scale"] = quantize_fp8(out["aux"], len(aux_layer_ids))
     out["offsets"] = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
     out["sample_index"] = torch.tensor(order, dtype=torch.int64)
-    return out
+    return out, copied
 
 
 def _shard_name(k: int) -> str:
@@ -147,9 +162,14 @@ def capture_split(
     target_name: str = "",
     fail_after_shards: Optional[int] = None,
     progress: bool = True,
+    fed_states=None,
 ) -> dict:
     """Capture one prepared split (a `datasets.Dataset` with input_ids, loss_mask) into
-    `out_dir`; resumes a partial capture of the same plan. Returns the final manifest."""
+    `out_dir`; resumes a partial capture of the same plan. Returns the final manifest.
+
+    `fed_states`: a `FedStates` of the regeneration that made the split (whose
+    `conversation` column names each sample's record); the samples it holds valid states
+    for are copied, not run (each shard's manifest entry counts them as copied_samples)."""
     from safetensors.torch import save
     from tqdm.auto import tqdm
 
@@ -157,6 +177,12 @@ def capture_split(
     hidden = model.config.get_text_config().hidden_size if hasattr(model.config, "get_text_config") \
         else model.config.hidden_size
     all_ids, all_masks = list(dataset["input_ids"]), list(dataset["loss_mask"])
+    stored_states = None
+    if fed_states is not None and len(fed_states) and "conversation" in dataset.column_names:
+        conversations = list(dataset["conversation"])
+
+        def stored_states(i: int):
+            return fed_states.states_for(conversations[i], all_ids[i], all_masks[i])
     lengths = [len(x) for x in all_ids]
     plan = plan_capture(lengths, batch_tokens, shard_tokens)
     settings = {"aux_layer_ids": list(aux_layer_ids), "aux_dtype": aux_dtype, "hidden_size": hidden,
@@ -189,14 +215,15 @@ def capture_split(
     for k in todo:
         if fail_after_shards is not None and written_now >= fail_after_shards:
             raise InjectedFailure(f"injected failure after {written_now} shards")
-        tensors = capture_shard(model, all_ids, all_masks, plan.shards[k], aux_layer_ids, aux_dtype, pad_id)
+        tensors, copied = capture_shard(model, all_ids, all_masks, plan.shards[k], aux_layer_ids, aux_dtype, pad_id,
+                                        stored_states)
         data = save(tensors)
         name = _shard_name(k)
         atomic_write(out_dir / name, data)
         shard_lengths = [plan.lengths[i] for b in plan.shards[k] for i in b]
         manifest["shards"].append({"file": name, "sha256": sha256_bytes(data), "bytes": len(data),
                                    "num_samples": len(shard_lengths), "num_tokens": sum(shard_lengths),
-                                   "lengths": shard_lengths})
+                                   "lengths": shard_lengths, "copied_samples": copied})
         manifest["shards"].sort(key=lambda s: s["file"])
         write_manifest(out_dir, manifest)
         written_now += 1

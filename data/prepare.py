@@ -123,6 +123,7 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
         if repeated:
             report.kept -= repeated
             report.drop("duplicate", repeated)
+    source_index = list(range(len(conversations)))  # a conversation's index in regenerated.jsonl
     if cfg.regenerate.enabled:
         if target is None and cfg.regenerate.backend == "hf":
             t = recipe.target
@@ -132,6 +133,14 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
         from eyas.data.regenerate import regenerate
 
         rg = cfg.regenerate
+        states_dir = layer_ids = None
+        if rg.keep_states and cfg.features == "offline" and target is not None:
+            from eyas.data.fed_states import FED_STATES_DIR, fed_state_layer_ids
+            from eyas.data.targets import default_aux_layer_ids
+
+            states_dir = out_dir / FED_STATES_DIR
+            layer_ids = fed_state_layer_ids(cfg.aux_layer_ids or default_aux_layer_ids(target.num_layers),
+                                            target.num_layers)
         conversations = regenerate(
             conversations, tokenizer or AutoTokenizer.from_pretrained(resolve_target_path(recipe.target.name_or_path)),
             out_dir / "regenerated.jsonl", model=target.model if target is not None else None,
@@ -139,6 +148,7 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
             temperature=rg.temperature, top_p=rg.top_p, seed=rg.seed,
             vllm_model=resolve_target_path(recipe.target.name_or_path), progress=progress,
             max_prompt_tokens=max(1, cfg.max_length - rg.max_new_tokens),
+            states_dir=states_dir, state_layer_ids=layer_ids, target_name=recipe.target.name_or_path,
         )
         # Regeneration ends a conversation before a prompt too long to fit max_length, or
         # at an empty reply; one left with no assistant turn has nothing to train on.
@@ -146,7 +156,8 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
         if empty:
             report.kept -= empty
             report.drop("regenerated_nothing_to_train", empty)
-        conversations = [c for c in conversations if any(m["role"] == "assistant" for m in c)]
+        source_index = [i for i, c in enumerate(conversations) if any(m["role"] == "assistant" for m in c)]
+        conversations = [conversations[i] for i in source_index]
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(recipe.target.name_or_path),
                                                   trust_remote_code=recipe.target.trust_remote_code)
@@ -157,11 +168,15 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
     if not ids:
         raise NoUsableDataError(f"no conversation survived rendering: {report.summary()}")
     train_idx, eval_idx = split_indices(len(ids), cfg.eval_fraction, cfg.seed)
+    # `conversation`: where a sample came from (its index after dedupe, the `index` of its
+    # regenerated.jsonl record), for reports and for the capture's regeneration states.
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
-                                  "loss_mask": datasets.Sequence(datasets.Value("uint8"))})
+                                  "loss_mask": datasets.Sequence(datasets.Value("uint8")),
+                                  "conversation": datasets.Value("int64")})
 
     def split(idx):
-        return datasets.Dataset.from_dict({"input_ids": [ids[i] for i in idx], "loss_mask": [masks[i] for i in idx]},
+        return datasets.Dataset.from_dict({"input_ids": [ids[i] for i in idx], "loss_mask": [masks[i] for i in idx],
+                                           "conversation": [source_index[kept[i]] for i in idx]},
                                           features=features)
 
     # An empty split is left out: `datasets` cannot reload a zero-row Arrow split.

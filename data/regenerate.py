@@ -17,12 +17,14 @@ import hashlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from eyas.data.targets import stop_token_ids
+from eyas.data.fed_states import write_fed_states
+from eyas.data.targets import capture_aux, stop_token_ids
 from eyas.data.templates import prompt_ids
 from eyas.sampling import sample_tokens
 
@@ -138,17 +140,43 @@ def _additive_decode_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return bias.masked_fill_(mask == 0, torch.finfo(dtype).min)[:, None, None, :]
 
 
+@dataclass
+class DecodedReply:
+    """One reply of `decode_replies_hf`. `token_ids`: the sampled tokens, stop token
+    excluded; `text`: them decoded (special tokens removed, stripped). With recorded
+    states, `fed_ids` is the prompt followed by `token_ids` and `states` `[len(fed_ids),
+    n*Ht]` the hooked states of each of those tokens (see `decode_replies_hf`)."""
+
+    token_ids: list[int]
+    text: str
+    fed_ids: Optional[list[int]] = None
+    states: Optional[torch.Tensor] = None
+
+
 @torch.no_grad()
 def generate_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                         top_p: float, generator: Optional[torch.Generator] = None) -> list[str]:
-    """Batched decoding of `prompts` (token id lists) with the target's KV cache; returns the
-    decoded replies (special tokens and the stop token removed).
+    """The reply texts of `decode_replies_hf`."""
+    return [r.text for r in decode_replies_hf(model, tokenizer, prompts, max_new_tokens, temperature, top_p,
+                                              generator)]
+
+
+@torch.no_grad()
+def decode_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                      top_p: float, generator: Optional[torch.Generator] = None,
+                      state_layer_ids: Optional[Sequence[int]] = None) -> list[DecodedReply]:
+    """Batched decoding of `prompts` (token id lists) with the target's KV cache.
 
     Prompts are left padded so every row's next token sits in the last column. Rows that
     emitted a stop token leave the batch (their cache rows dropped) once they are a
     quarter of it, so a batch costs about what its live rows need rather than
     `len(prompts) x max_new_tokens` slots as with `model.generate`, which keeps finished
     rows until the longest reply ends.
+
+    `state_layer_ids` (ids as `capture_aux`: i < L the input of decoder layer i, L the
+    last state before the final norm): also keep, in bf16, the states of every token the
+    target was fed, prompt and reply, so a capture can copy them instead of running the
+    target again. A reply cut at `max_new_tokens` gets one more forward for its last token.
     """
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -162,39 +190,70 @@ def generate_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_toke
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = _preallocated_cache(model, width + max_new_tokens)
-    # The base model, then the LM head on the last column only: `logits_to_keep=1` hands
-    # the LM head a strided [B, 1, H] slice, which on CPU becomes a batched matmul against
-    # B copies of the [V, H] weight (seconds per batch for a 49k vocabulary).
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    hidden = base(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                  use_cache=True).last_hidden_state[:, -1]
-    logits = model.get_output_embeddings()(hidden.contiguous())
     dtype = next(model.parameters()).dtype
     additive = _takes_additive_decode_mask(model)
     rows = torch.arange(len(prompts), device=device)  # original index of each batch row
     live = torch.ones(len(prompts), dtype=torch.bool, device=device)
     last_pos = positions[:, -1]
     replies: list[list[int]] = [[] for _ in prompts]
-    for step in range(max_new_tokens):
-        nxt = sample_tokens(logits, temperature, top_p, generator)
-        stopped = torch.isin(nxt, stops) | ~live
-        for r, tok, stop in zip(rows.tolist(), nxt.tolist(), stopped.tolist()):
-            if not stop:
-                replies[r].append(tok)
-        live = ~stopped
-        n_live = int(live.sum())
-        if step + 1 == max_new_tokens or n_live == 0:
-            break
-        if len(live) - n_live >= max(1, len(live) // 4):
-            keep = live.nonzero()[:, 0]
-            cache.batch_select_indices(keep)
-            rows, mask, nxt, last_pos, live = rows[keep], mask[keep], nxt[keep], last_pos[keep], live[keep]
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        last_pos = last_pos + 1
-        step_mask = _additive_decode_mask(mask, dtype) if additive else mask
-        logits = model(input_ids=nxt[:, None], attention_mask=step_mask, position_ids=last_pos[:, None], cache=cache,
-                       use_cache=True).logits[:, -1]
-    return [tokenizer.decode(r, skip_special_tokens=True).strip() for r in replies]
+    states = None  # [B, width + max_new_tokens, C]: prompt states left padded as `ids`, reply token s at width + s
+    with capture_aux(model, state_layer_ids or []) as grabbed:
+        # The base model, then the LM head on the last column only: `logits_to_keep=1` hands
+        # the LM head a strided [B, 1, H] slice, which on CPU becomes a batched matmul against
+        # B copies of the [V, H] weight (seconds per batch for a 49k vocabulary).
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        hidden = base(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                      use_cache=True).last_hidden_state[:, -1]
+        logits = model.get_output_embeddings()(hidden.contiguous())
+        if state_layer_ids:
+            prefill = grabbed.pop("aux")
+            states = torch.empty(len(prompts), width + max_new_tokens, prefill.shape[-1], dtype=torch.bfloat16)
+            states[:, :width] = prefill.to("cpu", torch.bfloat16)
+            del prefill
+
+        def feed(nxt, step):
+            """One decode forward of the current rows' tokens `nxt` (reply token `step`);
+            returns the logits of the next token [B_cur, V]."""
+            nonlocal mask, last_pos
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            last_pos = last_pos + 1
+            step_mask = _additive_decode_mask(mask, dtype) if additive else mask
+            out = model(input_ids=nxt[:, None], attention_mask=step_mask, position_ids=last_pos[:, None],
+                        cache=cache, use_cache=True).logits[:, -1]
+            if states is not None:
+                # only the rows whose token is a reply token (not a stop, not a finished row's filler)
+                fed = grabbed.pop("aux")[:, 0]
+                states[rows[live].cpu(), width + step] = fed[live].to("cpu", torch.bfloat16)
+            return out
+
+        for step in range(max_new_tokens):
+            nxt = sample_tokens(logits, temperature, top_p, generator)
+            stopped = torch.isin(nxt, stops) | ~live
+            for r, tok, stop in zip(rows.tolist(), nxt.tolist(), stopped.tolist()):
+                if not stop:
+                    replies[r].append(tok)
+            live = ~stopped
+            n_live = int(live.sum())
+            if n_live == 0:
+                break
+            if step + 1 == max_new_tokens:
+                if states is not None:  # the last token of the cut replies: its state labels what follows
+                    feed(nxt, step)
+                break
+            if len(live) - n_live >= max(1, len(live) // 4):
+                keep = live.nonzero()[:, 0]
+                cache.batch_select_indices(keep)
+                rows, mask, nxt, last_pos, live = rows[keep], mask[keep], nxt[keep], last_pos[keep], live[keep]
+            logits = feed(nxt, step)
+    out = []
+    for b, (p, r) in enumerate(zip(prompts, replies)):
+        text = tokenizer.decode(r, skip_special_tokens=True).strip()
+        if states is None:
+            out.append(DecodedReply(token_ids=r, text=text))
+        else:
+            out.append(DecodedReply(token_ids=r, text=text, fed_ids=list(p) + r,
+                                    states=states[b, width - len(p):width + len(r)].clone()))
+    return out
 
 
 def generate_replies_vllm(llm, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
@@ -231,8 +290,15 @@ def regenerate(
     vllm_model: Optional[str] = None,
     progress: bool = True,
     max_prompt_tokens: Optional[int] = None,
+    states_dir: Optional[str | Path] = None,
+    state_layer_ids: Optional[Sequence[int]] = None,
+    target_name: str = "",
 ) -> list[list[dict]]:
     """Regenerate every assistant turn; returns the new conversations (in input order).
+
+    With `states_dir` and `state_layer_ids` (the hf backend only), the states the target
+    computed for each conversation's last kept reply and its prompt are written there
+    before the batch's records (data/fed_states.py), for the capture to copy.
 
     Replies that come back empty (the target stopped at once) keep the turn out of the
     result by ending the conversation before it; a conversation left without any
@@ -281,6 +347,7 @@ def regenerate(
         for start in range(0, len(todo), batch_size):
             batch = todo[start:start + batch_size]
             histories = {i: [] for i in batch}
+            fed: dict[int, tuple[list[int], torch.Tensor]] = {}  # conversation -> its last kept reply's call
             alive = set(batch)
             max_turns = max(len(conversations[i]) for i in batch)
             for t in range(max_turns):
@@ -308,7 +375,11 @@ def regenerate(
                 if llm is not None:
                     replies = generate_replies_vllm(llm, tokenizer, prompts, max_new_tokens, temperature, top_p, seed)
                 else:
-                    replies = generate_replies_hf(model, tokenizer, prompts, max_new_tokens, temperature, top_p)
+                    decoded = decode_replies_hf(model, tokenizer, prompts, max_new_tokens, temperature, top_p,
+                                                state_layer_ids=state_layer_ids if states_dir is not None else None)
+                    replies = [d.text for d in decoded]
+                    fed.update((i, (d.fed_ids, d.states)) for i, d in zip(need, decoded)
+                               if d.text and d.states is not None)
                 for i, reply in zip(need, replies):
                     if reply:
                         histories[i].append({"role": "assistant", "content": reply})
@@ -317,6 +388,10 @@ def regenerate(
             for i in batch:
                 while histories[i] and histories[i][-1]["role"] != "assistant":
                     histories[i].pop()
+            if fed:  # before the records: a kill in between regenerates these, never records without states
+                write_fed_states(states_dir, {i: fed[i] for i in batch if i in fed and histories[i]},
+                                 state_layer_ids, target_name)
+            for i in batch:
                 f.write(json.dumps({"index": i, "source": sources[i], "messages": histories[i]},
                                    ensure_ascii=False) + "\n")
                 done[i] = histories[i]

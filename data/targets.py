@@ -7,6 +7,7 @@ The target is never trained: it comes back in eval mode with every parameter fro
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -275,6 +276,40 @@ def compute_features(
             h.remove()
     aux = torch.cat([grabbed[i] for i in ids], dim=-1)
     return aux, grabbed["last"]
+
+
+@contextlib.contextmanager
+def capture_aux(model, aux_layer_ids):
+    """While active, every forward of `model` stores its aux states in the yielded dict
+    under "aux" as `[B, T, n·Ht]`. Id i < L is the residual stream entering decoder layer
+    i (HF hidden_states[i], as `compute_features`); id L is the last state before the final
+    norm. Nothing is hooked when `aux_layer_ids` is empty."""
+    ids = list(aux_layer_ids)
+    grabbed: dict = {}
+    if not ids:
+        yield grabbed
+        return
+    base = _decoder(model)
+    layers, norm = base.layers, base.norm
+    if any(not 0 <= i <= len(layers) for i in ids):
+        raise ValueError(f"aux layer ids {ids} must lie in [0, {len(layers)}]")
+    states: dict = {}
+
+    def grab(key):
+        def hook(module, args, kwargs):
+            states[key] = args[0] if args else kwargs["hidden_states"]
+            if key == last_hooked:  # the last hooked module of the forward has run
+                grabbed["aux"] = torch.cat([states[i] for i in ids], dim=-1)
+        return hook
+
+    last_hooked = max(ids)  # modules run in id order, whatever order `ids` lists them in
+    modules = {i: (layers[i] if i < len(layers) else norm) for i in set(ids)}
+    handles = [m.register_forward_pre_hook(grab(i), with_kwargs=True) for i, m in modules.items()]
+    try:
+        yield grabbed
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:

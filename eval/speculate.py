@@ -16,13 +16,12 @@ and `commit(new_tokens, aux)`.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from eyas.data.targets import target_norm_and_lm_head
+from eyas.data.targets import capture_aux
 from eyas.sampling import sample_tokens
 
 
@@ -47,40 +46,6 @@ def new_target_cache(model):
     cache = DynamicCache(config=model.config)
     cache.activate_past_recording()
     return cache
-
-
-@contextlib.contextmanager
-def capture_aux(model, aux_layer_ids):
-    """While active, every forward of `model` stores its aux states in the yielded dict
-    under "aux" as `[B, T, n·Ht]`. Id i < L is the residual stream entering decoder layer
-    i (HF hidden_states[i], as `compute_features`); id L is the last state before the final
-    norm. Nothing is hooked when `aux_layer_ids` is empty."""
-    ids = list(aux_layer_ids)
-    grabbed: dict = {}
-    if not ids:
-        yield grabbed
-        return
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    layers = base.layers
-    norm, _ = target_norm_and_lm_head(model)
-    if any(not 0 <= i <= len(layers) for i in ids):
-        raise ValueError(f"aux layer ids {ids} must lie in [0, {len(layers)}]")
-    states: dict = {}
-
-    def grab(key):
-        def hook(module, args, kwargs):
-            states[key] = args[0] if args else kwargs["hidden_states"]
-            if key == ids[-1]:
-                grabbed["aux"] = torch.cat([states[i] for i in ids], dim=-1)
-        return hook
-
-    modules = {i: (layers[i] if i < len(layers) else norm) for i in set(ids)}
-    handles = [m.register_forward_pre_hook(grab(i), with_kwargs=True) for i, m in modules.items()]
-    try:
-        yield grabbed
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @torch.no_grad()

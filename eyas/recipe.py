@@ -40,6 +40,12 @@ class RegenerateSection(_Section):
     top_p: float = 1.0
     batch_size: int = 16
     seed: int = 0
+    # Keep the states the target computes while regenerating (hf backend, offline
+    # features) so `eyas capture` copies them instead of running the target again over the
+    # same tokens (data/fed_states.py). Costs disk, as much as the cache, until the capture
+    # ends, and a device-to-host copy per decode step; pays where decoding is slow next to
+    # a forward, e.g. a CPU.
+    keep_states: bool = False
 
 
 class DataSection(_Section):

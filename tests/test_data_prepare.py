@@ -144,11 +144,11 @@ def test_regeneration_batches_by_first_prompt_length(tiny_llama_dir, tmp_path, m
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
     calls = []
 
-    def fake_generate(model, tokenizer, prompts, *args, **kwargs):
+    def fake_decode(model, tokenizer, prompts, *args, **kwargs):
         calls.append(sorted(len(p) for p in prompts))
-        return ["ok"] * len(prompts)
+        return [regen.DecodedReply(token_ids=[1], text="ok") for _ in prompts]
 
-    monkeypatch.setattr(regen, "generate_replies_hf", fake_generate)
+    monkeypatch.setattr(regen, "decode_replies_hf", fake_decode)
     # Long prompts carry short dataset replies and short prompts long ones, so sorting by
     # the first two messages' characters would pair a long prompt with a short one.
     words = [3, 40, 5, 38, 4, 39, 200]

@@ -6,6 +6,9 @@ hidden state before the final norm into run_dir/cache/<split>/ as checksummed
 safetensors shards with a manifest. Before starting it prints the disk it needs and
 refuses when the disk cannot hold it. A killed capture resumes where it stopped when
 rerun with the same recipe. data.cache_dtype=fp8 halves the aux part of the cache.
+When prepare kept the regeneration's states (data.regenerate.keep_states), the samples
+whose tokens match are copied from run_dir/prepared/fed_states instead of run, and that
+directory is removed once every split is captured.
 
 examples:
   eyas capture run_dir=runs/smol
@@ -32,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eyas.data.cache import bytes_per_token, verify_cache
+    from eyas.data.cache import bytes_per_token, read_manifest, verify_cache
 
     recipe = load_recipe_from_args(args)
     cache = recipe.paths.cache
@@ -45,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         return 1 if problems else 0
 
     from eyas.data.capture import CaptureError, capture_split
+    from eyas.data.fed_states import FED_STATES_DIR, FedStates, fed_state_layer_ids
     from eyas.data.prepare import load_prepared
     from eyas.data.targets import default_aux_layer_ids, load_target
 
@@ -65,15 +69,28 @@ def run(args: argparse.Namespace) -> int:
     print(f"capture: aux layers {aux_ids}, {recipe.data.cache_dtype} cache, {bpt} bytes/token x {total} tokens "
           f"= {bpt * total / 1e9:.3f} GB estimated, into {cache}")
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    fed_dir = prepared / FED_STATES_DIR
+    fed = FedStates(fed_dir, fed_state_layer_ids(aux_ids, target.num_layers), t.name_or_path) \
+        if fed_dir.is_dir() else None
+    if fed is not None:
+        print(f"capture: {fed_dir} holds the regeneration's states of {len(fed)} conversations; they are copied "
+              "where the prepared tokens match")
     try:
         for s in splits:
             if args.overwrite:
                 shutil.rmtree(cache / s, ignore_errors=True)
             m = capture_split(target.model, dd[s], cache / s, aux_ids, recipe.data.cache_dtype,
                               recipe.data.capture_batch_tokens, recipe.data.shard_tokens, pad, t.name_or_path,
-                              progress=not args.no_progress)
-            print(f"{cache / s}: {m['num_samples']} samples, {m['num_tokens']} tokens, {len(m['shards'])} shards")
+                              progress=not args.no_progress, fed_states=fed)
+            copied = sum(sh.get("copied_samples", 0) for sh in m["shards"])
+            print(f"{cache / s}: {m['num_samples']} samples ({copied} copied from regeneration), "
+                  f"{m['num_tokens']} tokens, {len(m['shards'])} shards")
     except CaptureError as err:
         print(f"eyas capture: {err}", file=sys.stderr)
         return 1
+    if fed is not None and all((read_manifest(cache / s) or {}).get("complete") for s in dd):
+        # Every prepared split is captured: the states live on in the cache.
+        size = sum(f.stat().st_size for f in fed_dir.glob("*"))
+        shutil.rmtree(fed_dir)
+        print(f"capture: removed {fed_dir} ({size / 1e9:.2f} GB), the cache holds its states now")
     return 0
