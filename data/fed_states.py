@@ -9,14 +9,16 @@ conversation the ids the target was fed in the call that made its last kept repl
 prompt, then the reply) and their states `[n, (len(aux_layer_ids) + 1) * Ht]` in bf16
 (the aux layers in order, then the last state before the final norm).
 
-`eyas capture` copies them for a prepared sample when the sample's tokens begin with
-exactly the fed ids (re-encoding the reply text can tokenise it differently; then the
-target runs as usual) and no loss-masked token lies more than one position past them.
-The positions after the fed ids (the template's tail after the reply, e.g.
-`<|im_end|>\\n`) get zero states: a state at slot t only serves the labels at t+1 and
-later (the target logits of slot t, the head's query at t and the keys it reads, all
-causal), and the last label, the end-of-turn token, is predicted from the last reply
-token, which was fed. The trainer's loss is therefore the same as with a full capture up
+`eyas capture` copies them for a prepared sample when no loss-masked token lies more
+than one position past the tokens the sample shares with the fed ids from the start
+(the state of a token depends only on it and the tokens before it). Re-encoding the
+reply text can tokenise it differently, and the reply is stripped of surrounding
+whitespace, so a reply that ended in a newline still qualifies while one that differs
+earlier runs the target as usual. The positions after the shared tokens (the template's
+tail after the reply, e.g. `<|im_end|>\\n`) get zero states: a state at slot t only
+serves the labels at t+1 and later (the target logits of slot t, the head's query at t
+and the keys it reads, all causal), and the last label, the end-of-turn token, is
+predicted from the last reply token, which was fed. The trainer's loss is therefore the same as with a full capture up
 to bf16 rounding of the decode kernels (tests/test_fed_states.py compares them).
 """
 
@@ -111,7 +113,8 @@ class FedStates:
 
     def states_for(self, conversation: int, input_ids: Sequence[int], loss_mask: Sequence[int]) -> Optional[torch.Tensor]:
         """The states `[len(input_ids), C]` of a prepared sample from `conversation`, zero
-        after the fed ids; None when they cannot stand in for a capture (module docstring)."""
+        after the tokens it shares with the fed ids; None when they cannot stand in for a
+        capture (module docstring)."""
         hit = self._where.get(int(conversation))
         if hit is None:
             return None
@@ -120,7 +123,9 @@ class FedStates:
         a, b = int(offsets[slot]), int(offsets[slot + 1])
         n = len(input_ids)
         m = min(b - a, n)
-        if fed_ids[a:a + m].tolist() != list(input_ids[:m]) or any(loss_mask[m + 1:]):
+        differ = (fed_ids[a:a + m] != torch.as_tensor(list(input_ids[:m]), dtype=fed_ids.dtype)).nonzero()
+        m = int(differ[0, 0]) if differ.numel() else m  # the tokens both share from the start
+        if m == 0 or any(loss_mask[m + 1:]):
             return None
         fed = f.get_slice("states")[a:a + m]
         if m == n:

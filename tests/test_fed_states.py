@@ -63,7 +63,11 @@ def test_fed_states_lookup_checks_tokens_mask_target_and_layers(tmp_path):
     # the later file's entry for 3 wins: states for [5, 6, 9], zero after them
     got = fed.states_for(3, [5, 6, 9, 0, 10], [0, 1, 1, 1, 0])
     assert got.shape == (5, C) and bool((got[:3] == 1).all()) and bool((got[3:] == 0).all())
-    assert fed.states_for(3, [5, 6, 7, 0], [0, 1, 1, 1]) is None  # tokens differ from the fed ones
+    assert fed.states_for(3, [5, 6, 7, 0], [0, 1, 1, 1]) is None  # a label two past the shared tokens [5, 6]
+    # the tokens part after [5, 6] but the last label (7) sits right after them: read from slot 1
+    got = fed.states_for(3, [5, 6, 7, 0], [0, 1, 1, 0])
+    assert bool((got[:2] == 1).all()) and bool((got[2:] == 0).all())
+    assert fed.states_for(3, [8, 6, 9], [0, 1, 0]) is None  # nothing shared
     assert fed.states_for(3, [5, 6, 9, 0, 10], [0, 1, 1, 1, 1]) is None  # a label two past the fed ids
     assert fed.states_for(4, [1], [1]).shape == (1, C)  # a sample cut shorter than the fed ids
     assert fed.states_for(7, [1], [1]) is None
