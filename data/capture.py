@@ -123,6 +123,7 @@ def capture_shard(model, input_ids: Sequence[list[int]], loss_mask: Sequence[lis
     for batch in batches:
         stored = {i: stored_states(i) for i in batch} if stored_states is not None else {}
         run = [i for i in batch if stored.get(i) is None]
+        row_of = {i: b for b, i in enumerate(run)}
         if run:
             ids, mask = _pad_batch([input_ids[i] for i in run], pad_id)
             aux, last = compute_features(model, ids.to(device), mask.to(device), aux_layer_ids)
@@ -133,7 +134,7 @@ def capture_shard(model, input_ids: Sequence[list[int]], loss_mask: Sequence[lis
                 out["last"][at:at + n] = stored[i][:, -hidden:]
                 copied += 1
             else:
-                b = run.index(i)
+                b = row_of[i]
                 out["aux"][at:at + n] = aux[b, :n]
                 out["last"][at:at + n] = last[b, :n]
             at += n
