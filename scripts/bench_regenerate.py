@@ -1,4 +1,4 @@
-"""Benchmark reply regeneration (`generate_replies_hf`, the prepare stage's decoder) on
+"""Benchmark reply regeneration (`decode_replies_hf` in data/decode.py, the prepare stage's decoder) on
 SmolLM2-135M by batch size.
 
 ShareGPT first prompts of at most --max-prompt-tokens tokens, sorted by token length and
@@ -48,7 +48,8 @@ def main() -> int:
 
     from eyas.data.conversations import read_conversations
     from eyas.data.fed_states import fed_state_layer_ids
-    from eyas.data.regenerate import before_first_reply, decode_replies_hf
+    from eyas.data.decode import decode_replies_hf
+    from eyas.data.regenerate import before_first_reply
     from eyas.data.targets import default_aux_layer_ids, load_target
     from eyas.data.templates import TemplateError, prompt_ids
 

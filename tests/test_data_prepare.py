@@ -139,6 +139,7 @@ def test_regeneration_batches_by_first_prompt_length(tiny_llama_dir, tmp_path, m
     """Batches hold prompts of similar token length (whatever the dataset's own reply
     length), and a prompt over the cap never takes a batch slot."""
     import eyas.data.regenerate as regen
+    from eyas.data.decode import DecodedReply
     from eyas.data.targets import load_target
 
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
@@ -146,7 +147,7 @@ def test_regeneration_batches_by_first_prompt_length(tiny_llama_dir, tmp_path, m
 
     def fake_decode(model, tokenizer, prompts, *args, **kwargs):
         calls.append(sorted(len(p) for p in prompts))
-        return [regen.DecodedReply(token_ids=[1], text="ok") for _ in prompts]
+        return [DecodedReply(token_ids=[1], text="ok") for _ in prompts]
 
     monkeypatch.setattr(regen, "decode_replies_hf", fake_decode)
     # Long prompts carry short dataset replies and short prompts long ones, so sorting by
@@ -207,7 +208,7 @@ MORE_PROMPTS = PROMPTS + ["b c", "the cat", "one two three", "zz", "q"]
 def test_batched_greedy_replies_equal_model_generate_when_rows_stop_early(tiny_llama_dir, texts):
     """Rows leave the batch once stopped rows are a quarter of it (at once with 4 rows;
     with 9, a stopped row first rides along); the others' replies must not move."""
-    from eyas.data.regenerate import _takes_additive_decode_mask, generate_replies_hf
+    from eyas.data.decode import _takes_additive_decode_mask, generate_replies_hf
     from eyas.data.targets import load_target
 
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
@@ -242,7 +243,7 @@ def test_preallocated_kv_cache_gives_the_logits_of_the_growing_cache(tiny_llama_
     the same logits as transformers' own DynamicCache."""
     from transformers import DynamicCache
 
-    from eyas.data.regenerate import _preallocated_cache
+    from eyas.data.decode import _preallocated_cache
     from eyas.data.targets import load_target
 
     model = load_target(str(tiny_llama_dir), dtype="float32", device="cpu").model
@@ -267,7 +268,7 @@ def test_preallocated_kv_cache_gives_the_logits_of_the_growing_cache(tiny_llama_
 def test_sliding_window_targets_keep_the_masks_transformers_builds(tiny_llama_dir):
     """A ready 4D mask is used as is by every layer; a sliding-window layer given one would
     attend to its whole cache, so such targets (GPT-OSS) keep the 2D mask path."""
-    from eyas.data.regenerate import _takes_additive_decode_mask
+    from eyas.data.decode import _takes_additive_decode_mask
     from eyas.data.targets import load_target
 
     model = load_target(str(tiny_llama_dir), dtype="float32", device="cpu").model

@@ -27,7 +27,7 @@ def test_decoded_states_equal_a_forward_over_the_fed_tokens(llama):
     """Prompt states from the left-padded prefill, reply states from the decode steps
     (rows stopping early, leaving the batch, and rows cut at max_new_tokens, whose last
     token gets one more forward) equal one plain forward over prompt + reply."""
-    from eyas.data.regenerate import decode_replies_hf, generate_replies_hf
+    from eyas.data.decode import decode_replies_hf, generate_replies_hf
 
     model, tok = llama.model, llama.tokenizer
     prompts = [tok(t)["input_ids"] for t in ["a", "hello there", "xyz", "a much longer prompt than the rest", "q"]]
