@@ -134,7 +134,10 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
 
         rg = cfg.regenerate
         states_dir = layer_ids = None
-        if rg.keep_states and cfg.features == "offline" and target is not None:
+        if rg.keep_states and (cfg.features != "offline" or target is None):
+            log.warning("data.regenerate.keep_states needs the hf backend and data.features=offline; "
+                        "the capture will run the target itself")
+        elif rg.keep_states:
             from eyas.data.fed_states import FED_STATES_DIR, fed_state_layer_ids
             from eyas.data.targets import default_aux_layer_ids
 
