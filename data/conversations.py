@@ -47,6 +47,9 @@ class DropReport:
     dropped: Counter = field(default_factory=Counter)
     # Repairs that kept a row (e.g. leading assistant turns of split ShareGPT rows).
     repaired: Counter = field(default_factory=Counter)
+    # Regenerated turns compared with the token ids the serving engine returned, and the
+    # mismatches by reason (data/regenerate_server.py); kept, not dropped.
+    token_checks: Counter = field(default_factory=Counter)
 
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] += n
@@ -56,10 +59,12 @@ class DropReport:
         self.kept += other.kept
         self.dropped.update(other.dropped)
         self.repaired.update(other.repaired)
+        self.token_checks.update(other.token_checks)
 
     def as_dict(self) -> dict:
         return {"read": self.read, "kept": self.kept, "dropped_total": sum(self.dropped.values()),
-                "dropped": dict(sorted(self.dropped.items())), "repaired": dict(sorted(self.repaired.items()))}
+                "dropped": dict(sorted(self.dropped.items())), "repaired": dict(sorted(self.repaired.items())),
+                **({"token_checks": dict(sorted(self.token_checks.items()))} if self.token_checks else {})}
 
     def summary(self) -> str:
         parts = ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or "none"

@@ -144,15 +144,18 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
             states_dir = out_dir / FED_STATES_DIR
             layer_ids = fed_state_layer_ids(cfg.aux_layer_ids or default_aux_layer_ids(target.num_layers),
                                             target.num_layers)
-        conversations = regenerate(
-            conversations, tokenizer or AutoTokenizer.from_pretrained(resolve_target_path(recipe.target.name_or_path)),
-            out_dir / "regenerated.jsonl", model=target.model if target is not None else None,
-            backend=rg.backend, batch_size=rg.batch_size, max_new_tokens=rg.max_new_tokens,
-            temperature=rg.temperature, top_p=rg.top_p, seed=rg.seed,
-            vllm_model=resolve_target_path(recipe.target.name_or_path), progress=progress,
-            max_prompt_tokens=max(1, cfg.max_length - rg.max_new_tokens),
-            states_dir=states_dir, state_layer_ids=layer_ids, target_name=recipe.target.name_or_path,
-        )
+        kwargs = dict(model=target.model if target is not None else None, backend=rg.backend,
+                      batch_size=rg.batch_size, max_new_tokens=rg.max_new_tokens, temperature=rg.temperature,
+                      top_p=rg.top_p, seed=rg.seed, progress=progress,
+                      max_prompt_tokens=max(1, cfg.max_length - rg.max_new_tokens), states_dir=states_dir,
+                      state_layer_ids=layer_ids, target_name=recipe.target.name_or_path,
+                      server=server_settings(rg, out_dir) if rg.backend == "server" else None,
+                      token_checks=report.token_checks)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(resolve_target_path(recipe.target.name_or_path),
+                                                               trust_remote_code=recipe.target.trust_remote_code)
+        conversations = regenerate(conversations, tokenizer, out_dir / "regenerated.jsonl", **kwargs)
+        if report.token_checks:
+            log.info("regenerated turns against the server's token ids: %s", dict(report.token_checks))
         # Regeneration ends a conversation before a prompt too long to fit max_length, or
         # at an empty reply; one left with no assistant turn has nothing to train on.
         empty = sum(not any(m["role"] == "assistant" for m in c) for c in conversations)
@@ -199,6 +202,24 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
             "drop_report": report.as_dict()}
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
+
+
+def server_settings(rg, out_dir: Path):
+    """The server backend's settings from a recipe's `data.regenerate`; with `launch`, the
+    engine it starts (only when some conversation is left to regenerate), logging to
+    `out_dir/engine.log`."""
+    from eyas.data.regenerate_server import ServerSettings
+
+    engine = None
+    if rg.launch:
+        from eyas.engine_process import launched_engine
+
+        def engine():
+            return launched_engine(rg.launch, rg.server_urls, out_dir / "engine.log", rg.launch_timeout_s)
+
+    return ServerSettings(urls=list(rg.server_urls), model=rg.server_model, concurrency=rg.concurrency,
+                          max_new_tokens=rg.max_new_tokens, temperature=rg.temperature, top_p=rg.top_p,
+                          seed=rg.seed, timeout_s=rg.request_timeout_s, max_retries=rg.max_retries, engine=engine)
 
 
 def _config_vocab_size(recipe) -> int:

@@ -5,9 +5,15 @@ Multi-turn conversations are regenerated turn by turn: reply k is generated from
 history whose earlier replies are already the target's own, so every trained turn is
 conditioned as at serving time. Output is a JSONL file, one `{"index", "source",
 "messages"}` record per conversation (`source`: a digest of the turns it was generated
-from), appended and fsynced after every batch; a rerun keeps the whole records already
-there whose source still matches the conversation at that index (a cut-off last line is
-ignored, a record of other data is generated again) and continues after them.
+from), appended and fsynced after every batch (hf) or as conversations finish (server); a
+rerun keeps the whole records already there whose source still matches the conversation
+at that index (a cut-off last line is ignored, a record of other data is generated again)
+and continues after them.
+
+Two backends (DESIGN §2.1): `hf` decodes in this process (data/decode.py), `server`
+asks an OpenAI-compatible engine (data/regenerate_server.py). Both store replies through
+data/reasoning.py, so reasoning (harmony analysis, `<think>`) lands in the message's
+`reasoning`, never in its `content`.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import hashlib
 import json
 import logging
 import os
+import time
+from collections import Counter
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -23,6 +31,7 @@ import torch
 
 from eyas.data.decode import decode_replies_hf
 from eyas.data.fed_states import write_fed_states
+from eyas.data.reasoning import decoded_reply
 from eyas.data.templates import prompt_ids
 
 log = logging.getLogger(__name__)
@@ -34,9 +43,9 @@ def source_digest(conversation: list[dict]) -> str:
     return hashlib.sha256(json.dumps(key, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def _done_records(path: Path) -> dict[int, tuple[str, list[dict]]]:
-    """Whole records already written, index -> (source digest, messages); a line cut off
-    by a kill is removed from the file so appending continues on a fresh line."""
+def _done_records(path: Path) -> dict[int, dict]:
+    """Whole records already written, index -> record; a line cut off by a kill is
+    removed from the file so appending continues on a fresh line."""
     done = {}
     if path.is_file():
         data = path.read_bytes()
@@ -47,20 +56,38 @@ def _done_records(path: Path) -> dict[int, tuple[str, list[dict]]]:
             for line in f:
                 try:
                     rec = json.loads(line)
-                    done[int(rec["index"])] = (rec.get("source", ""), rec["messages"])
+                    done[int(rec["index"])] = {"source": rec.get("source", ""), "messages": rec["messages"],
+                                               "token_checks": rec.get("token_checks") or {}}
                 except (json.JSONDecodeError, KeyError, ValueError, TypeError):
                     continue  # the line a kill cut off
     return done
 
 
-def generate_replies_vllm(llm, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                          top_p: float, seed: int) -> list[str]:
-    """The same with a vLLM engine (`vllm.LLM`), when installed."""
-    from vllm import SamplingParams, TokensPrompt
+class RecordWriter:
+    """Appends records to regenerated.jsonl; `sync` flushes and fsyncs them."""
 
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].text.strip() for o in outs]
+    def __init__(self, f, sources: list[str], done: dict[int, dict], sync_every_s: float = 1.0):
+        self.f, self.sources, self.done, self.sync_every_s = f, sources, done, sync_every_s
+        self.last_sync = time.monotonic()
+
+    def write(self, i: int, messages: list[dict], token_checks: Optional[dict] = None) -> None:
+        rec = {"index": i, "source": self.sources[i], "messages": messages}
+        if token_checks:
+            rec["token_checks"] = token_checks
+        self.f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self.done[i] = {"source": self.sources[i], "messages": messages, "token_checks": token_checks or {}}
+
+    def sync(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.last_sync = time.monotonic()
+
+    def write_soon(self, i: int, messages: list[dict], token_checks: Optional[dict] = None) -> None:
+        """Write, and sync when the last sync is `sync_every_s` old (one fsync per record
+        would bound a fast server's throughput)."""
+        self.write(i, messages, token_checks)
+        if time.monotonic() - self.last_sync >= self.sync_every_s:
+            self.sync()
 
 
 def before_first_reply(conversation: list[dict]) -> list[dict]:
@@ -84,34 +111,43 @@ def regenerate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
-    vllm_model: Optional[str] = None,
     progress: bool = True,
     max_prompt_tokens: Optional[int] = None,
     states_dir: Optional[str | Path] = None,
     state_layer_ids: Optional[Sequence[int]] = None,
     target_name: str = "",
+    server=None,
+    token_checks: Optional[Counter] = None,
 ) -> list[list[dict]]:
     """Regenerate every assistant turn; returns the new conversations (in input order).
 
-    With `states_dir` and `state_layer_ids` (the hf backend only), the states the target
-    computed for each conversation's last kept reply and its prompt are written there
-    before the batch's records (data/fed_states.py), for the capture to copy.
+    `backend` "hf" decodes with `model` in batches of `batch_size`; "server" sends the
+    turns to the engine `server` (a `ServerSettings`) describes. With `states_dir` and
+    `state_layer_ids` (the hf backend only), the states the target computed for each
+    conversation's last kept reply and its prompt are written there before the batch's
+    records (data/fed_states.py), for the capture to copy. `token_checks`, when given,
+    gets the server's token-id comparisons of the returned conversations, the resumed
+    ones included.
 
-    Replies that come back empty (the target stopped at once) keep the turn out of the
-    result by ending the conversation before it; a conversation left without any
+    Replies that come back empty (the target stopped at once, or was cut inside its
+    reasoning) end the conversation before that turn; a conversation left without any
     assistant turn is dropped by the caller's renderer. A turn whose prompt is longer
     than `max_prompt_tokens` ends its conversation too: its sample could not fit the
     training length, so generating it would be wasted work.
     """
     from tqdm.auto import tqdm
 
+    if backend not in ("hf", "server"):
+        raise ValueError(f"unknown regeneration backend {backend!r} (hf or server)")
+    if backend == "server" and server is None:
+        raise ValueError("the server backend needs its ServerSettings")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     sources = [source_digest(c) for c in conversations]
     records = _done_records(out_path)
     # a record whose source differs came from other data (another max_samples, dedupe,
     # max_turns): generated again, and the later record wins on the next read
-    done = {i: msgs for i, (src, msgs) in records.items() if i < len(conversations) and src == sources[i]}
+    done = {i: r for i, r in records.items() if i < len(conversations) and r["source"] == sources[i]}
     stale = sum(1 for i in records if i not in done)
     if stale:
         log.warning("%s: %d records were generated from other conversations than these; generating them again",
@@ -126,74 +162,85 @@ def regenerate(
     too_long = [i for i in todo if len(first_prompt[i]) > cap]
     todo = sorted((i for i in todo if len(first_prompt[i]) <= cap), key=lambda i: len(first_prompt[i]))
     torch.manual_seed(seed)
-    llm = None
-    if backend == "vllm":
-        from vllm import LLM
-
-        llm = LLM(model=vllm_model, seed=seed)
     bar = tqdm(total=len(conversations), initial=len(done), desc="regenerate",
                unit="conv", disable=not progress)
     with open(out_path, "a", encoding="utf-8") as f:
+        writer = RecordWriter(f, sources, done)
         if too_long:  # ended before their first reply, as the loop below would end them
             for i in too_long:
-                f.write(json.dumps({"index": i, "source": sources[i], "messages": []}) + "\n")
-                done[i] = []
-            f.flush()
-            os.fsync(f.fileno())
+                writer.write(i, [])
+            writer.sync()
             bar.update(len(too_long))
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start:start + batch_size]
-            histories = {i: [] for i in batch}
-            fed: dict[int, tuple[list[int], torch.Tensor]] = {}  # conversation -> its last kept reply's call
-            alive = set(batch)
-            max_turns = max(len(conversations[i]) for i in batch)
-            for t in range(max_turns):
-                # Turn t of every conversation in the batch: copy user/system turns, generate assistant ones.
-                need = []
-                for i in batch:
-                    conv = conversations[i]
-                    if i not in alive or t >= len(conv):
-                        continue
-                    if conv[t]["role"] == "assistant":
-                        need.append(i)
-                    else:
-                        histories[i].append({"role": conv[t]["role"], "content": conv[t]["content"]})
+        if backend == "server":
+            from eyas.data.regenerate_server import regenerate_with_server
+
+            # the longest first: a long conversation started last would hold the run's tail
+            todo.reverse()
+            try:
+                regenerate_with_server(conversations, todo, tokenizer, server, writer.write_soon, max_prompt_tokens,
+                                       bar)
+            finally:
+                writer.sync()
+        else:
+            _regenerate_hf(conversations, todo, first_prompt, tokenizer, model, writer, bar, batch_size,
+                           max_new_tokens, temperature, top_p, max_prompt_tokens, states_dir, state_layer_ids,
+                           target_name)
+    bar.close()
+    if token_checks is not None:
+        for i in range(len(conversations)):
+            token_checks.update(done[i]["token_checks"])
+    return [done[i]["messages"] for i in range(len(conversations))]
+
+
+def _regenerate_hf(conversations, todo, first_prompt, tokenizer, model, writer: RecordWriter, bar, batch_size,
+                   max_new_tokens, temperature, top_p, max_prompt_tokens, states_dir, state_layer_ids,
+                   target_name) -> None:
+    """The hf backend: batches of conversations, turn t of every one decoded together."""
+    for start in range(0, len(todo), batch_size):
+        batch = todo[start:start + batch_size]
+        histories = {i: [] for i in batch}
+        fed: dict[int, tuple[list[int], torch.Tensor]] = {}  # conversation -> its last kept reply's call
+        alive = set(batch)
+        max_turns = max(len(conversations[i]) for i in batch)
+        for t in range(max_turns):
+            # Turn t of every conversation in the batch: copy user/system turns, generate assistant ones.
+            need = []
+            for i in batch:
+                conv = conversations[i]
+                if i not in alive or t >= len(conv):
+                    continue
+                if conv[t]["role"] == "assistant":
+                    need.append(i)
+                else:
+                    histories[i].append({"role": conv[t]["role"], "content": conv[t]["content"]})
+            if not need:
+                continue
+            # A conversation's first prompt was tokenised for sorting; later ones are built here.
+            prompts = [first_prompt.pop(i, None) or prompt_ids(tokenizer, histories[i]) for i in need]
+            if max_prompt_tokens is not None:
+                fits = [len(p) <= max_prompt_tokens for p in prompts]
+                alive.difference_update(i for i, ok in zip(need, fits) if not ok)
+                need = [i for i, ok in zip(need, fits) if ok]
+                prompts = [p for p, ok in zip(prompts, fits) if ok]
                 if not need:
                     continue
-                # A conversation's first prompt was tokenised for sorting; later ones are built here.
-                prompts = [first_prompt.pop(i, None) or prompt_ids(tokenizer, histories[i]) for i in need]
-                if max_prompt_tokens is not None:
-                    fits = [len(p) <= max_prompt_tokens for p in prompts]
-                    alive.difference_update(i for i, ok in zip(need, fits) if not ok)
-                    need = [i for i, ok in zip(need, fits) if ok]
-                    prompts = [p for p, ok in zip(prompts, fits) if ok]
-                    if not need:
-                        continue
-                if llm is not None:
-                    replies = generate_replies_vllm(llm, tokenizer, prompts, max_new_tokens, temperature, top_p, seed)
+            decoded = decode_replies_hf(model, tokenizer, prompts, max_new_tokens, temperature, top_p,
+                                        state_layer_ids=state_layer_ids if states_dir is not None else None)
+            replies = [decoded_reply(tokenizer, d.token_ids) for d in decoded]
+            fed.update((i, (d.fed_ids, d.states)) for i, d, r in zip(need, decoded, replies)
+                       if r["content"] and d.states is not None)
+            for i, reply in zip(need, replies):
+                if reply["content"]:
+                    histories[i].append(reply)
                 else:
-                    decoded = decode_replies_hf(model, tokenizer, prompts, max_new_tokens, temperature, top_p,
-                                                state_layer_ids=state_layer_ids if states_dir is not None else None)
-                    replies = [d.text for d in decoded]
-                    fed.update((i, (d.fed_ids, d.states)) for i, d in zip(need, decoded)
-                               if d.text and d.states is not None)
-                for i, reply in zip(need, replies):
-                    if reply:
-                        histories[i].append({"role": "assistant", "content": reply})
-                    else:
-                        alive.discard(i)
-            for i in batch:
-                while histories[i] and histories[i][-1]["role"] != "assistant":
-                    histories[i].pop()
-            if fed:  # before the records: a kill in between regenerates these, never records without states
-                write_fed_states(states_dir, {i: fed[i] for i in batch if i in fed and histories[i]},
-                                 state_layer_ids, target_name)
-            for i in batch:
-                f.write(json.dumps({"index": i, "source": sources[i], "messages": histories[i]},
-                                   ensure_ascii=False) + "\n")
-                done[i] = histories[i]
-            f.flush()
-            os.fsync(f.fileno())
-            bar.update(len(batch))
-    bar.close()
-    return [done[i] for i in range(len(conversations))]
+                    alive.discard(i)
+        for i in batch:
+            while histories[i] and histories[i][-1]["role"] != "assistant":
+                histories[i].pop()
+        if fed:  # before the records: a kill in between regenerates these, never records without states
+            write_fed_states(states_dir, {i: fed[i] for i in batch if i in fed and histories[i]},
+                             state_layer_ids, target_name)
+        for i in batch:
+            writer.write(i, histories[i])
+        writer.sync()
+        bar.update(len(batch))

@@ -85,7 +85,8 @@ def assistant_char_spans(tokenizer, messages: Conversation, train_on: Literal["a
     return full, spans
 
 
-def _special_strings(tokenizer) -> list[str]:
+def special_strings(tokenizer) -> list[str]:
+    """The text of every special token (end-of-turn and role markers included)."""
     specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
     for tok in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values():
         if getattr(tok, "special", False):
@@ -102,7 +103,7 @@ def _end_by_special(tokenizer, full: str, start: int, message: dict) -> int:
     if at < 0:
         raise TemplateError("template_not_incremental", "assistant content not found in the rendering")
     after = at + len(content)
-    hits = [(full.find(sp, after), sp) for sp in _special_strings(tokenizer)]
+    hits = [(full.find(sp, after), sp) for sp in special_strings(tokenizer)]
     hits = [(i, sp) for i, sp in hits if i >= 0]
     if not hits:
         raise TemplateError("template_not_incremental", "no end-of-turn token after the content")

@@ -31,14 +31,17 @@ class TargetSection(_Section):
 
 
 class RegenerateSection(_Section):
-    """Replace assistant turns with the target's own replies."""
+    """Replace assistant turns with the target's own replies (DESIGN §2.1)."""
 
     enabled: bool = False
-    backend: Literal["hf", "vllm"] = "hf"
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    batch_size: int = 16
+    # hf: the target decodes in eyas's process (data/decode.py). server: an
+    # OpenAI-compatible chat endpoint (`vllm serve`, SGLang, ...) answers, at fleet scale
+    # (data/regenerate_server.py).
+    backend: Literal["hf", "server"] = "hf"
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    batch_size: int = Field(16, ge=1)
     seed: int = 0
     # Keep the states the target computes while regenerating (hf backend, offline
     # features) so `eyas capture` copies them instead of running the target again over the
@@ -46,6 +49,26 @@ class RegenerateSection(_Section):
     # ends, and a device-to-host copy per decode step; pays where decoding is slow next to
     # a forward, e.g. a CPU.
     keep_states: bool = False
+    # server backend: base URLs of the engine's replicas (requests go to the least busy),
+    # in-flight requests in all, the model name sent (None: the server's own, /v1/models)
+    server_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    concurrency: int = Field(256, ge=1)
+    server_model: Optional[str] = None
+    request_timeout_s: float = Field(600.0, gt=0)
+    max_retries: int = Field(5, ge=0)
+    # A command that starts the engine (e.g. `vllm serve MODEL --host 127.0.0.1 --port
+    # 8000`): eyas runs it, waits until every URL answers, regenerates, then stops it.
+    launch: Optional[str] = None
+    launch_timeout_s: float = Field(1800.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_inprocess_vllm(cls, data):
+        if isinstance(data, dict) and data.get("backend") == "vllm":
+            raise ValueError("data.regenerate.backend 'vllm' (vLLM inside eyas's environment) was removed: vLLM "
+                             "pins its own torch and transformers. Use backend: server with `vllm serve` "
+                             "(data.regenerate.launch starts it for you)")
+        return data
 
 
 class DataSection(_Section):

@@ -147,7 +147,8 @@ def test_regeneration_batches_by_first_prompt_length(tiny_llama_dir, tmp_path, m
 
     def fake_decode(model, tokenizer, prompts, *args, **kwargs):
         calls.append(sorted(len(p) for p in prompts))
-        return [DecodedReply(token_ids=[1], text="ok") for _ in prompts]
+        ok = tokenizer("ok", add_special_tokens=False)["input_ids"]  # replies are built from their tokens
+        return [DecodedReply(token_ids=ok, text="ok") for _ in prompts]
 
     monkeypatch.setattr(regen, "decode_replies_hf", fake_decode)
     # Long prompts carry short dataset replies and short prompts long ones, so sorting by

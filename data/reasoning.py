@@ -1,0 +1,83 @@
+"""A generated reply -> the assistant message eyas stores: `{"role": "assistant",
+"content": final text, "reasoning": thinking text}` (reasoning only when there is some).
+
+Targets write their reasoning in one of two shapes, and both regeneration backends (the
+in-process decoder and a serving engine returning raw text) go through this one parser,
+so a stored turn re-renders with the target's template to what the target produced:
+- harmony (GPT-OSS): `<|channel|>analysis<|message|>…<|end|><|start|>assistant<|channel|>final<|message|>…`;
+  the analysis channel is reasoning, the final channel the content. Text decoded with
+  special tokens skipped cannot be split (`analysis…assistantfinal…`), which is why the
+  decoder keeps them for harmony targets.
+- think tags (Qwen3): `<think>…</think>` before the answer.
+Anything else is plain content. Channels are never concatenated into `content`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+HARMONY_MARKERS = ("<|channel|>", "<|message|>")
+_HARMONY_SPECIAL = re.compile(r"<\|(start|end|message|channel|return|call|constrain|endoftext|startoftext)\|>")
+_THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
+
+
+def is_harmony_tokenizer(tokenizer) -> bool:
+    """Whether the tokenizer writes harmony: it has the `<|channel|>` and `<|message|>` tokens."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return all(m in vocab for m in HARMONY_MARKERS)
+
+
+def parse_harmony(text: str) -> tuple[str, str]:
+    """Raw harmony completion text (after the `<|start|>assistant` generation prompt) ->
+    (reasoning, content): analysis messages joined as reasoning, final (and commentary
+    without a recipient) messages as content. Text outside any channel header is content,
+    so a malformed completion loses nothing."""
+    reasoning, content = [], []
+    # Messages are `[<|start|>role]<|channel|>NAME<|message|>BODY` up to an end token.
+    for part in re.split(r"<\|start\|>", text):
+        if "<|message|>" not in part:
+            stray = _HARMONY_SPECIAL.sub("", part).strip()
+            if stray and stray != "assistant":
+                content.append(stray)
+            continue
+        header, body = part.split("<|message|>", 1)
+        body = re.split(r"<\|(?:end|return|call)\|>", body, maxsplit=1)[0]
+        channel = header.split("<|channel|>", 1)[1].split()[0] if "<|channel|>" in header else "final"
+        channel = re.sub(r"<\|[a-z]+\|>.*", "", channel)
+        (reasoning if channel == "analysis" else content).append(body)
+    return "\n".join(r.strip() for r in reasoning if r.strip()), "\n".join(c.strip() for c in content if c.strip())
+
+
+def split_think(text: str) -> tuple[str, str]:
+    """`<think>R</think> C` -> (R, C); text without a leading think block -> ("", text)."""
+    m = _THINK.match(text)
+    if not m:
+        return "", text.strip()
+    return m.group(1).strip(), text[m.end():].strip()
+
+
+def assistant_message(content: str, reasoning: Optional[str] = None, raw: bool = True) -> dict:
+    """The stored assistant message. `raw`: `content` may still hold harmony channels or a
+    think block (a server or decoder without a reasoning parser), which are split off;
+    a `reasoning` the server already parsed is kept as it is."""
+    reasoning = (reasoning or "").strip()
+    content = content or ""
+    if raw and all(m in content for m in HARMONY_MARKERS):
+        r, content = parse_harmony(content)
+        reasoning = "\n".join(x for x in (reasoning, r) if x)
+    elif raw and "</think>" in content:
+        r, content = split_think(content)
+        reasoning = "\n".join(x for x in (reasoning, r) if x)
+    msg = {"role": "assistant", "content": content.strip()}
+    if reasoning:
+        msg["reasoning"] = reasoning
+    return msg
+
+
+def decoded_reply(tokenizer, token_ids: list[int]) -> dict:
+    """A reply decoded from the target's tokens (stop token excluded): harmony targets
+    keep their special tokens for the parser; others skip them, as before."""
+    if is_harmony_tokenizer(tokenizer):
+        return assistant_message(tokenizer.decode(token_ids, skip_special_tokens=False))
+    return assistant_message(tokenizer.decode(token_ids, skip_special_tokens=True).strip())

@@ -1,0 +1,219 @@
+"""The server backend of regeneration: replies from an OpenAI-compatible chat endpoint
+(`vllm serve`, SGLang, any server speaking `/v1/chat/completions`), for targets too big
+for eyas's process: tensor-parallel replicas, data-parallel across URLs (DESIGN §2.1).
+
+Each conversation is one task, its turns in order (reply k sees the target's own replies
+before it); `concurrency` requests are in flight at once, each sent to the URL with the
+fewest in flight. A finished conversation is handed to `write` at once, so a killed run
+keeps it and never asks for it again. Transport errors, 429 and 5xx are retried with
+exponential backoff; any other answer is an error naming the URL and what it said.
+
+Replies: `reasoning_content` / `reasoning` (vLLM's reasoning parsers) become the turn's
+reasoning; raw harmony or think-tagged content is split by data/reasoning.py. Where the
+server returns token ids (vLLM's `return_token_ids`), the prompt it built and the reply
+it generated are compared with eyas's own rendering, and mismatches are counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Optional, Sequence
+
+from eyas.data.reasoning import assistant_message
+from eyas.data.templates import TemplateError, special_strings, prompt_ids, render_with_mask
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class ServerError(RuntimeError):
+    """The server refused a request for a reason retries cannot fix, or never answered."""
+
+
+@dataclass
+class ServerSettings:
+    urls: list[str]
+    model: Optional[str] = None
+    concurrency: int = 256
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    timeout_s: float = 600.0
+    max_retries: int = 5
+    backoff_s: float = 0.5
+    # starts the engine for the run (a context manager factory), or None: it is running
+    engine: Optional[Callable[[], ContextManager]] = None
+
+
+def _strip_end(ids: list[int], ends: set[int]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in ends else ids
+
+
+def compare_reply_tokens(tokenizer, history: list[dict], reply: dict, server_prompt: Optional[list[int]],
+                         server_reply: Optional[list[int]], ends: set[int]) -> list[str]:
+    """Mismatch reasons for one turn: `prompt_tokens_differ` (the server's chat template or
+    tokenizer built another prompt than eyas's), `reply_tokens_differ` (the stored reply,
+    re-rendered, tokenizes to other ids than the target generated), `reply_not_renderable`."""
+    reasons = []
+    if server_prompt is not None and list(server_prompt) != prompt_ids(tokenizer, history):
+        reasons.append("prompt_tokens_differ")
+    if server_reply is not None:
+        try:
+            r = render_with_mask(tokenizer, history + [reply], train_on="last")
+        except TemplateError:
+            return reasons + ["reply_not_renderable"]
+        masked = [t for t, m in zip(r.input_ids, r.loss_mask) if m]
+        if _strip_end(masked, ends) != _strip_end(list(server_reply), ends):
+            reasons.append("reply_tokens_differ")
+    return reasons
+
+
+class ChatClient:
+    """Chat completions against one or more replicas, least busy first."""
+
+    def __init__(self, settings: ServerSettings):
+        import httpx
+
+        self.s = settings
+        self.in_flight = {u.rstrip("/"): 0 for u in settings.urls}
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(settings.timeout_s, connect=30.0),
+                                      limits=httpx.Limits(max_connections=settings.concurrency + 8))
+        self.model = settings.model
+        self.token_ids = True  # ask for them until a server refuses the field
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def resolve_model(self) -> str:
+        if self.model is None:
+            url = next(iter(self.in_flight))
+            data = await self._request("GET", url, "/v1/models")
+            models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
+            if not models:
+                raise ServerError(f"{url}/v1/models lists no model; set data.regenerate.server_model")
+            self.model = models[0]
+            log.info("server model: %s", self.model)
+        return self.model
+
+    async def _request(self, method: str, url: str, path: str, body: Optional[dict] = None) -> dict:
+        import httpx
+
+        for attempt in range(self.s.max_retries + 1):
+            try:
+                resp = await self.http.request(method, url + path, json=body)
+                if resp.status_code == 200:
+                    return resp.json()
+                if resp.status_code not in RETRY_STATUS:
+                    raise ServerError(f"{url}{path} answered {resp.status_code}: {resp.text[:500]}")
+                why = f"status {resp.status_code}"
+            except (httpx.TransportError, ValueError) as err:  # ValueError: a body that is not JSON
+                why = f"{type(err).__name__}: {err}"
+            if attempt == self.s.max_retries:
+                raise ServerError(f"{url}{path} failed {attempt + 1} times; last: {why}")
+            delay = min(30.0, self.s.backoff_s * 2 ** attempt) * (0.5 + random.random())
+            log.warning("%s%s: %s; retrying in %.1f s", url, path, why, delay)
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    async def chat(self, messages: list[dict]) -> dict:
+        """One reply: the choice's message and, where given, `token_ids` / `prompt_token_ids`."""
+        url = min(self.in_flight, key=self.in_flight.get)
+        body = {"model": await self.resolve_model(), "messages": messages, "max_tokens": self.s.max_new_tokens,
+                "temperature": self.s.temperature, "top_p": self.s.top_p, "seed": self.s.seed,
+                # raw harmony keeps its channel tokens when no reasoning parser splits them
+                "skip_special_tokens": False}
+        if self.token_ids:
+            body["return_token_ids"] = True
+        self.in_flight[url] += 1
+        try:
+            try:
+                data = await self._request("POST", url, "/v1/chat/completions", body)
+            except ServerError as err:
+                if "return_token_ids" not in body or "return_token_ids" not in str(err):
+                    raise
+                log.warning("%s does not return token ids; regenerated turns are not compared with the target's "
+                            "tokens", url)
+                self.token_ids = False
+                body.pop("return_token_ids")
+                data = await self._request("POST", url, "/v1/chat/completions", body)
+        finally:
+            self.in_flight[url] -= 1
+        try:
+            choice = data["choices"][0]
+            message = choice["message"]
+        except (KeyError, IndexError, TypeError):
+            raise ServerError(f"{url}/v1/chat/completions: no choices[0].message in {str(data)[:300]}") from None
+        return {"message": message, "token_ids": choice.get("token_ids"),
+                "prompt_token_ids": data.get("prompt_token_ids"),
+                "completion_tokens": (data.get("usage") or {}).get("completion_tokens", 0)}
+
+
+async def _regenerate_all(conversations: Sequence[list[dict]], todo: Sequence[int], tokenizer,
+                          settings: ServerSettings, write: Callable[[int, list[dict], dict], None],
+                          max_prompt_tokens: Optional[int], ends: set[int], bar) -> None:
+    client = ChatClient(settings)
+    sem = asyncio.Semaphore(settings.concurrency)
+    start, tokens, replies = time.monotonic(), 0, 0
+
+    async def one(i: int) -> None:
+        nonlocal tokens, replies
+        history: list[dict] = []
+        checks: dict[str, int] = {}
+        async with sem:
+            for m in conversations[i]:
+                if m["role"] != "assistant":
+                    history.append({"role": m["role"], "content": m["content"]})
+                    continue
+                if max_prompt_tokens is not None and len(prompt_ids(tokenizer, history)) > max_prompt_tokens:
+                    break
+                out = await client.chat(history)
+                msg = out["message"]
+                reply = assistant_message(msg.get("content") or "",
+                                          msg.get("reasoning_content") or msg.get("reasoning"))
+                tokens += int(out["completion_tokens"] or 0)
+                replies += 1
+                if not reply["content"]:  # stopped at once, or cut inside its reasoning
+                    break
+                if out["token_ids"] is not None or out["prompt_token_ids"] is not None:
+                    checks["turns_compared"] = checks.get("turns_compared", 0) + 1
+                    for reason in compare_reply_tokens(tokenizer, history, reply, out["prompt_token_ids"],
+                                                       out["token_ids"], ends):
+                        checks[reason] = checks.get(reason, 0) + 1
+                history.append(reply)
+        while history and history[-1]["role"] != "assistant":
+            history.pop()
+        write(i, history, checks)
+        elapsed = max(time.monotonic() - start, 1e-6)
+        bar.set_postfix(replies_per_s=f"{replies / elapsed:.1f}", tok_per_s=f"{tokens / elapsed:.0f}", refresh=False)
+        bar.update(1)
+
+    try:
+        tasks = [asyncio.create_task(one(i)) for i in todo]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+    finally:
+        await client.close()
+
+
+def regenerate_with_server(conversations: Sequence[list[dict]], todo: Sequence[int], tokenizer,
+                           settings: ServerSettings, write: Callable[[int, list[dict], dict], None],
+                           max_prompt_tokens: Optional[int], bar) -> None:
+    """Regenerate the conversations at `todo` through the server; `write(i, messages,
+    token_checks)` is called as each one finishes (`token_checks`: turns compared with the
+    server's token ids and the mismatches by reason, see `compare_reply_tokens`)."""
+    if not todo:
+        return
+    ends = {int(i) for i in tokenizer.convert_tokens_to_ids(special_strings(tokenizer)) if i is not None}
+    with settings.engine() if settings.engine else nullcontext():
+        asyncio.run(_regenerate_all(conversations, todo, tokenizer, settings, write, max_prompt_tokens, ends, bar))

@@ -1,0 +1,92 @@
+"""A serving engine started by eyas from a command line (`vllm serve …`, `python -m
+sglang.launch_server …`): run in its own process group with its output in a log file,
+waited for until each base URL answers, stopped by process group at the end, so its
+workers (tensor/data-parallel ranks) go with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine did not start, or died; the message carries its log's tail."""
+
+
+def _log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def answers(base_url: str, timeout: float = 5.0) -> bool:
+    """Whether an OpenAI-compatible server at `base_url` lists its models."""
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/v1/models", timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+@contextmanager
+def launched_engine(command: str, urls: Sequence[str], log_path: Path, timeout_s: float = 1800.0,
+                    poll_s: float = 1.0) -> Iterator[subprocess.Popen]:
+    """Start `command`, wait until every URL in `urls` answers, yield, then stop it
+    (SIGTERM to its process group, SIGKILL after 30 s)."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    busy = [u for u in urls if answers(u, timeout=2.0)]
+    if busy:
+        raise EngineError(f"data.regenerate.launch: {busy[0]} already answers before the engine was started; "
+                          "stop that server or drop `launch` to use it as it is")
+    argv = shlex.split(command)
+    log.info("starting the engine: %s (log: %s)", command, log_path)
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        waiting = list(urls)
+        while waiting:
+            if proc.poll() is not None:
+                raise EngineError(f"the engine exited with code {proc.returncode} before answering "
+                                  f"({command}); last lines of {log_path}:\n{_log_tail(log_path)}")
+            if time.monotonic() > deadline:
+                raise EngineError(f"the engine did not answer at {waiting[0]} within {timeout_s:.0f} s; "
+                                  f"last lines of {log_path}:\n{_log_tail(log_path)}")
+            waiting = [u for u in waiting if not answers(u)]
+            if waiting:
+                time.sleep(poll_s)
+        log.info("engine ready after %.0f s", timeout_s - (deadline - time.monotonic()))
+        yield proc
+    finally:
+        stop_process_group(proc)
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM the process's group, SIGKILL it when it has not ended within `grace_s`."""
+    if proc.poll() is not None:
+        return
+    try:
+        pgid = os.getpgid(proc.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            proc.wait(timeout=grace_s)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,127 @@
+"""A small OpenAI-compatible chat server on 127.0.0.1 for the fast tier, backed by a
+tiny target (greedy replies through eyas's own decoder) or by a script of raw completions.
+
+It answers as vLLM does where eyas relies on it: `/v1/models`, `/v1/chat/completions`
+with `reasoning_content` (harmony targets, `reasoning: "parsed"`) or raw text,
+`return_token_ids` (`token_ids` on the choice, `prompt_token_ids` on the response), and
+`skip_special_tokens`. Faults for tests: the first `fail_first` requests answer 503;
+`token_ids_unsupported` answers 400 to `return_token_ids`.
+
+Also a script: `python tests/fake_openai_server.py --target DIR --port N` serves until killed
+(what `data.regenerate.launch` starts in tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable, Optional
+
+
+class FakeChatServer:
+    def __init__(self, tokenizer, model=None, script: Optional[Callable[[list], str]] = None,
+                 name: str = "tiny-target", reasoning: str = "parsed", fail_first: int = 0,
+                 token_ids_unsupported: bool = False, port: int = 0):
+        self.tokenizer, self.model, self.script, self.name = tokenizer, model, script, name
+        self.reasoning, self.fail_left, self.token_ids_unsupported = reasoning, fail_first, token_ids_unsupported
+        self.requests: list[dict] = []
+        self.lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> "FakeChatServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def complete(self, body: dict) -> tuple[int, dict]:
+        from eyas.data.decode import decode_replies_hf
+        from eyas.data.reasoning import is_harmony_tokenizer, parse_harmony
+
+        with self.lock:
+            self.requests.append(body)
+            if self.fail_left > 0:
+                self.fail_left -= 1
+                return 503, {"error": "warming up"}
+            if body.get("return_token_ids") and self.token_ids_unsupported:
+                return 400, {"error": "unknown field: return_token_ids"}
+            if body.get("model") != self.name:
+                return 404, {"error": f"model {body.get('model')!r} does not exist"}
+            tok = self.tokenizer
+            prompt_text = tok.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
+            prompt = tok(prompt_text, add_special_tokens=False)["input_ids"]
+            if self.script is not None:
+                raw = self.script(body["messages"])
+                ids = tok(raw, add_special_tokens=False)["input_ids"]
+            else:
+                ids = decode_replies_hf(self.model, tok, [prompt], int(body.get("max_tokens", 16)),
+                                        float(body.get("temperature", 0.0)), float(body.get("top_p", 1.0)))[0].token_ids
+                raw = tok.decode(ids, skip_special_tokens=False)
+            message = {"role": "assistant", "content": tok.decode(
+                ids, skip_special_tokens=body.get("skip_special_tokens", True) is not False)}
+            if self.reasoning == "parsed" and is_harmony_tokenizer(tok):
+                reasoning, content = parse_harmony(raw)
+                message = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
+            out = {"id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion", "model": self.name,
+                   "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                   "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}}
+            if body.get("return_token_ids"):
+                out["choices"][0]["token_ids"] = list(ids)
+                out["prompt_token_ids"] = list(prompt)
+            return 200, out
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _send(self, code: int, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": server.name, "object": "model"}]})
+                elif self.path == "/health":
+                    self._send(200, {})
+                else:
+                    self._send(404, {"error": self.path})
+
+            def do_POST(self):
+                if self.path != "/v1/chat/completions":
+                    self._send(404, {"error": self.path})
+                    return
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                self._send(*server.complete(body))
+
+        return Handler
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--name", default="tiny-target")
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.target)
+    model = AutoModelForCausalLM.from_pretrained(args.target).eval()
+    server = FakeChatServer(tok, model, name=args.name, port=args.port)
+    server.httpd.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
