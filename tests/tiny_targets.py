@@ -47,11 +47,18 @@ def byte_tokenizer():
     return fast
 
 
-def tiny_config(family: str):
+def tiny_config(family: str, tokenizer=None):
+    """The family's tiny config; with `tokenizer`, sized to its vocabulary and using its
+    special ids (a real tokenizer on a tiny model)."""
     from transformers import GptOssConfig, LlamaConfig, Qwen3MoeConfig
 
+    ids = dict(bos_token_id=0, eos_token_id=2, pad_token_id=3)
+    if tokenizer is not None:
+        eos = tokenizer.eos_token_id
+        ids = dict(bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos,
+                   eos_token_id=eos, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
     common = dict(
-        vocab_size=TINY_VOCAB,
+        vocab_size=len(tokenizer) if tokenizer is not None else TINY_VOCAB,
         hidden_size=64,
         num_hidden_layers=TINY_LAYERS,
         num_attention_heads=4,
@@ -60,9 +67,7 @@ def tiny_config(family: str):
         max_position_embeddings=4096,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=2,
-        pad_token_id=3,
+        **ids,
     )
     if family == "llama":
         return LlamaConfig(intermediate_size=128, **common)
@@ -79,12 +84,12 @@ def tiny_config(family: str):
     raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
 
 
-def build_tiny_model(family: str, seed: int = 0):
+def build_tiny_model(family: str, seed: int = 0, tokenizer=None):
     """A randomly initialised tiny causal LM of the family, in eval mode (float32)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = tiny_config(family)
+    cfg = tiny_config(family, tokenizer)
     attn = "eager" if family == "gpt_oss" else "sdpa"
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
     # Larger random weights than the default init give peaked, input-dependent
@@ -96,10 +101,14 @@ def build_tiny_model(family: str, seed: int = 0):
     return model.eval()
 
 
-def save_tiny_target(family: str, out_dir: Path, seed: int = 0) -> Path:
-    """Write the tiny model and its tokenizer as an ordinary HF directory."""
+def save_tiny_target(family: str, out_dir: Path, seed: int = 0, tokenizer=None,
+                     stop_tokens: tuple[str, ...] = ()) -> Path:
+    """Write the tiny model and its tokenizer (default: the byte tokenizer) as an ordinary
+    HF directory; `stop_tokens` go into its generation config as end-of-reply ids."""
     out_dir = Path(out_dir)
-    model = build_tiny_model(family, seed)
+    model = build_tiny_model(family, seed, tokenizer)
+    if stop_tokens:
+        model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(list(stop_tokens))
     model.save_pretrained(out_dir, safe_serialization=True)
-    byte_tokenizer().save_pretrained(out_dir)
+    (tokenizer or byte_tokenizer()).save_pretrained(out_dir)
     return out_dir
