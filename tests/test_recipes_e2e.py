@@ -31,10 +31,9 @@ def _family(target: str):
 
         return "qwen3_moe", qwen3_coder_tokenizer, ("<|im_end|>",), "real Qwen3 tokenizer + Qwen3-Coder template"
     if "llama-3" in name:
-        from data_templates_fixtures import family_tokenizer
+        from real_formats import llama3_tokenizer
 
-        # Llama 3's 128k ranks ship in no registry package: byte tokenizer, Llama-3 header template
-        return "llama", lambda: family_tokenizer("llama3"), ("<|eot_id|>",), "Llama-3-shaped fixture"
+        return "llama", llama3_tokenizer, ("<|eot_id|>",), "real Llama 3 tokenizer + Llama-3.1 template"
     if "smollm2" in name:
         from transformers import AutoTokenizer
 
