@@ -103,12 +103,14 @@ def _additive_decode_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 @dataclass
 class DecodedReply:
     """One reply of `decode_replies_hf`. `token_ids`: the sampled tokens, stop token
-    excluded; `text`: them decoded (special tokens removed, stripped). With recorded
+    excluded; `finished`: a stop token ended it (else max_new_tokens did); `text`: the
+    tokens decoded (special tokens removed, stripped). With recorded
     states, `fed_ids` is the prompt followed by `token_ids` and `states` `[len(fed_ids),
     n*Ht]` the hooked states of each of those tokens (see `decode_replies_hf`)."""
 
     token_ids: list[int]
     text: str
+    finished: bool = True
     fed_ids: Optional[list[int]] = None
     states: Optional[torch.Tensor] = None
 
@@ -156,6 +158,7 @@ def decode_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens
     live = torch.ones(len(prompts), dtype=torch.bool, device=device)
     last_pos = positions[:, -1]
     replies: list[list[int]] = [[] for _ in prompts]
+    finished = [False] * len(prompts)  # a stop token ended the reply (not max_new_tokens)
     states = None  # [B, width + max_new_tokens, C]: prompt states left padded as `ids`, reply token s at width + s
     with capture_aux(model, state_layer_ids or []) as grabbed:
         # The base model, then the LM head on the last column only: `logits_to_keep=1` hands
@@ -189,9 +192,11 @@ def decode_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens
         for step in range(max_new_tokens):
             nxt = sample_tokens(logits, temperature, top_p, generator)
             stopped = torch.isin(nxt, stops) | ~live
-            for r, tok, stop in zip(rows.tolist(), nxt.tolist(), stopped.tolist()):
+            for r, tok, stop, was_live in zip(rows.tolist(), nxt.tolist(), stopped.tolist(), live.tolist()):
                 if not stop:
                     replies[r].append(tok)
+                elif was_live:
+                    finished[r] = True
             live = ~stopped
             n_live = int(live.sum())
             if n_live == 0:
@@ -209,8 +214,8 @@ def decode_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens
     for b, (p, r) in enumerate(zip(prompts, replies)):
         text = tokenizer.decode(r, skip_special_tokens=True).strip()
         if states is None:
-            out.append(DecodedReply(token_ids=r, text=text))
+            out.append(DecodedReply(token_ids=r, text=text, finished=finished[b]))
         else:
-            out.append(DecodedReply(token_ids=r, text=text, fed_ids=list(p) + r,
+            out.append(DecodedReply(token_ids=r, text=text, finished=finished[b], fed_ids=list(p) + r,
                                     states=states[b, width - len(p):width + len(r)].clone()))
     return out

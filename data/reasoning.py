@@ -57,10 +57,15 @@ def split_think(text: str) -> tuple[str, str]:
     return m.group(1).strip(), text[m.end():].strip()
 
 
-def assistant_message(content: str, reasoning: Optional[str] = None, raw: bool = True) -> dict:
+def assistant_message(content: str, reasoning: Optional[str] = None, raw: bool = True,
+                      finish_reason: Optional[str] = None) -> dict:
     """The stored assistant message. `raw`: `content` may still hold harmony channels or a
     think block (a server or decoder without a reasoning parser), which are split off;
-    a `reasoning` the server already parsed is kept as it is."""
+    a `reasoning` the server already parsed is kept as it is. Plain content is kept as the
+    target wrote it, whitespace included: the sample must tokenize to the target's tokens.
+    `finish_reason="length"` (the reply hit max_new_tokens) is stored on the message, so
+    rendering ends the sample where the target stopped instead of at an end-of-turn token
+    it never produced (data/templates.py)."""
     reasoning = (reasoning or "").strip()
     content = content or ""
     if raw and all(m in content for m in HARMONY_MARKERS):
@@ -69,15 +74,24 @@ def assistant_message(content: str, reasoning: Optional[str] = None, raw: bool =
     elif raw and "</think>" in content:
         r, content = split_think(content)
         reasoning = "\n".join(x for x in (reasoning, r) if x)
-    msg = {"role": "assistant", "content": content.strip()}
+    msg = {"role": "assistant", "content": content}
     if reasoning:
         msg["reasoning"] = reasoning
+    if finish_reason == "length":
+        msg["finish_reason"] = "length"
     return msg
 
 
-def decoded_reply(tokenizer, token_ids: list[int]) -> dict:
-    """A reply decoded from the target's tokens (stop token excluded): harmony targets
-    keep their special tokens for the parser; others skip them, as before."""
+def is_empty_reply(message: dict) -> bool:
+    """No content to train on: the target stopped at once, or was cut inside its reasoning."""
+    return not (message.get("content") or "").strip()
+
+
+def decoded_reply(tokenizer, token_ids: list[int], finished: bool = True) -> dict:
+    """A reply decoded from the target's tokens (stop token excluded; `finished`: a stop
+    token ended it, else max_new_tokens did): harmony targets keep their special tokens
+    for the parser; others skip them."""
+    reason = None if finished else "length"
     if is_harmony_tokenizer(tokenizer):
-        return assistant_message(tokenizer.decode(token_ids, skip_special_tokens=False))
-    return assistant_message(tokenizer.decode(token_ids, skip_special_tokens=True).strip())
+        return assistant_message(tokenizer.decode(token_ids, skip_special_tokens=False), finish_reason=reason)
+    return assistant_message(tokenizer.decode(token_ids, skip_special_tokens=True), finish_reason=reason)

@@ -31,7 +31,7 @@ import torch
 
 from eyas.data.decode import decode_replies_hf
 from eyas.data.fed_states import write_fed_states
-from eyas.data.reasoning import decoded_reply
+from eyas.data.reasoning import decoded_reply, is_empty_reply
 from eyas.data.templates import prompt_ids
 
 log = logging.getLogger(__name__)
@@ -226,13 +226,15 @@ def _regenerate_hf(conversations, todo, first_prompt, tokenizer, model, writer: 
                     continue
             decoded = decode_replies_hf(model, tokenizer, prompts, max_new_tokens, temperature, top_p,
                                         state_layer_ids=state_layer_ids if states_dir is not None else None)
-            replies = [decoded_reply(tokenizer, d.token_ids) for d in decoded]
+            replies = [decoded_reply(tokenizer, d.token_ids, d.finished) for d in decoded]
             fed.update((i, (d.fed_ids, d.states)) for i, d, r in zip(need, decoded, replies)
-                       if r["content"] and d.states is not None)
+                       if not is_empty_reply(r) and d.states is not None)
             for i, reply in zip(need, replies):
-                if reply["content"]:
+                if not is_empty_reply(reply):
                     histories[i].append(reply)
-                else:
+                # a reply cut at max_new_tokens ends its conversation: the next turn would
+                # answer text the target never finished
+                if is_empty_reply(reply) or "finish_reason" in reply:
                     alive.discard(i)
         for i in batch:
             while histories[i] and histories[i][-1]["role"] != "assistant":

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from contextlib import nullcontext
 from typing import Callable, ContextManager, Optional, Sequence
 
-from eyas.data.reasoning import assistant_message
+from eyas.data.reasoning import assistant_message, is_empty_reply
 from eyas.data.templates import TemplateError, special_strings, prompt_ids, render_with_mask
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class ChatClient:
             message = choice["message"]
         except (KeyError, IndexError, TypeError):
             raise ServerError(f"{url}/v1/chat/completions: no choices[0].message in {str(data)[:300]}") from None
-        return {"message": message, "token_ids": choice.get("token_ids"),
+        return {"message": message, "token_ids": choice.get("token_ids"), "finish_reason": choice.get("finish_reason"),
                 "prompt_token_ids": data.get("prompt_token_ids"),
                 "completion_tokens": (data.get("usage") or {}).get("completion_tokens", 0)}
 
@@ -176,10 +176,11 @@ async def _regenerate_all(conversations: Sequence[list[dict]], todo: Sequence[in
                 out = await client.chat(history)
                 msg = out["message"]
                 reply = assistant_message(msg.get("content") or "",
-                                          msg.get("reasoning_content") or msg.get("reasoning"))
+                                          msg.get("reasoning_content") or msg.get("reasoning"),
+                                          finish_reason=out["finish_reason"])
                 tokens += int(out["completion_tokens"] or 0)
                 replies += 1
-                if not reply["content"]:  # stopped at once, or cut inside its reasoning
+                if is_empty_reply(reply):  # stopped at once, or cut inside its reasoning
                     break
                 if out["token_ids"] is not None or out["prompt_token_ids"] is not None:
                     checks["turns_compared"] = checks.get("turns_compared", 0) + 1
@@ -187,6 +188,8 @@ async def _regenerate_all(conversations: Sequence[list[dict]], todo: Sequence[in
                                                        out["token_ids"], ends):
                         checks[reason] = checks.get(reason, 0) + 1
                 history.append(reply)
+                if "finish_reason" in reply:  # cut at max_new_tokens: a next turn would answer unfinished text
+                    break
         while history and history[-1]["role"] != "assistant":
             history.pop()
         write(i, history, checks)

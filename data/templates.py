@@ -53,6 +53,7 @@ def _template_messages(messages: Conversation) -> Conversation:
     out = []
     for m in messages:
         m = dict(m)
+        m.pop("finish_reason", None)  # eyas's own mark (see render_with_mask), not the template's
         if "reasoning" in m:
             m.setdefault("reasoning_content", m["reasoning"])
             m.setdefault("thinking", m["reasoning"])
@@ -115,6 +116,11 @@ def render_with_mask(tokenizer, messages: Conversation, train_on: Literal["all",
                      max_length: Optional[int] = None, truncate: bool = False) -> Rendered:
     """Tokenise the conversation as the chat template renders it, with the loss mask.
 
+    A last assistant message with `finish_reason: "length"` (a regenerated reply cut at
+    max_new_tokens) ends the sample at its last content token: the end-of-turn special
+    tokens the template writes after it, and all that follows, are not what the target
+    produced, so they are neither trained on nor fed (DESIGN §2).
+
     A rendering longer than `max_length` raises `over_length`, or with `truncate` keeps its
     first `max_length` tokens (`Rendered.truncated` says so). Raises `TemplateError`
     (reason `over_length`, `no_masked_tokens`, `template_error`,
@@ -127,12 +133,34 @@ def render_with_mask(tokenizer, messages: Conversation, train_on: Literal["all",
     # as apply_chat_template(tokenize=True) does.
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    mask = _span_mask(offsets, spans)
+    last = messages[-1] if messages else {}
+    if last.get("role") == "assistant" and last.get("finish_reason") == "length" and any(mask):
+        end = _end_of_cut_reply(tokenizer, ids, mask)
+        ids, mask = ids[:end], mask[:end]
     truncated = max_length is not None and len(ids) > max_length
     if truncated and not truncate:
         raise TemplateError("over_length", f"{len(ids)} > {max_length}")
     if truncated:
-        ids, offsets = ids[:max_length], offsets[:max_length]
-    mask = [0] * len(ids)
+        ids, mask = ids[:max_length], mask[:max_length]
+    if not any(mask):
+        raise TemplateError("no_masked_tokens")
+    return Rendered(input_ids=list(ids), loss_mask=mask, text=text, truncated=truncated)
+
+
+def _end_of_cut_reply(tokenizer, ids: list[int], mask: list[int]) -> int:
+    """Where a reply cut at max_new_tokens ends: after its last trained token that is not
+    a special token (the template's end-of-turn tokens come after the content)."""
+    specials = {i for i in tokenizer.convert_tokens_to_ids(special_strings(tokenizer)) if isinstance(i, int)}
+    end = max(t for t, m in enumerate(mask) if m) + 1
+    while end > 0 and mask[end - 1] and ids[end - 1] in specials:
+        end -= 1
+    return end
+
+
+def _span_mask(offsets, spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token whose characters start inside one of the (sorted) spans."""
+    mask = [0] * len(offsets)
     si = 0
     for t, (a, b) in enumerate(offsets):
         if b <= a:
@@ -141,9 +169,7 @@ def render_with_mask(tokenizer, messages: Conversation, train_on: Literal["all",
             si += 1
         if si < len(spans) and spans[si][0] <= a < spans[si][1]:
             mask[t] = 1
-    if not any(mask):
-        raise TemplateError("no_masked_tokens")
-    return Rendered(input_ids=list(ids), loss_mask=mask, text=text, truncated=truncated)
+    return mask
 
 
 def prompt_ids(tokenizer, messages: Conversation) -> list[int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 log = logging.getLogger(__name__)
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
 
 class EngineError(RuntimeError):
@@ -41,6 +43,19 @@ def answers(base_url: str, timeout: float = 5.0) -> bool:
         return False
 
 
+def split_command(command: str) -> tuple[dict[str, str], list[str]]:
+    """Leading `NAME=value` words (`CUDA_VISIBLE_DEVICES=0,1 vllm serve …`, as a shell
+    reads them) -> the environment they set, and the argv after them. No shell runs."""
+    words = shlex.split(command)
+    env = {}
+    while words and _ASSIGNMENT.match(words[0]):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    if not words:
+        raise EngineError(f"data.regenerate.launch: {command!r} names no program to run")
+    return env, words
+
+
 @contextmanager
 def launched_engine(command: str, urls: Sequence[str], log_path: Path, timeout_s: float = 1800.0,
                     poll_s: float = 1.0) -> Iterator[subprocess.Popen]:
@@ -52,11 +67,11 @@ def launched_engine(command: str, urls: Sequence[str], log_path: Path, timeout_s
     if busy:
         raise EngineError(f"data.regenerate.launch: {busy[0]} already answers before the engine was started; "
                           "stop that server or drop `launch` to use it as it is")
-    argv = shlex.split(command)
+    env, argv = split_command(command)
     log.info("starting the engine: %s (log: %s)", command, log_path)
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env={**os.environ, **env})
     try:
         deadline = time.monotonic() + timeout_s
         waiting = list(urls)

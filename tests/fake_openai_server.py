@@ -56,23 +56,30 @@ class FakeChatServer:
             tok = self.tokenizer
             prompt_text = tok.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
             prompt = tok(prompt_text, add_special_tokens=False)["input_ids"]
+            finish, ended_by = "stop", []
             if self.script is not None:
                 raw = self.script(body["messages"])
                 ids = tok(raw, add_special_tokens=False)["input_ids"]
             else:
-                ids = decode_replies_hf(self.model, tok, [prompt], int(body.get("max_tokens", 16)),
-                                        float(body.get("temperature", 0.0)), float(body.get("top_p", 1.0)))[0].token_ids
+                reply = decode_replies_hf(self.model, tok, [prompt], int(body.get("max_tokens", 16)),
+                                          float(body.get("temperature", 0.0)), float(body.get("top_p", 1.0)))[0]
+                ids = reply.token_ids
                 raw = tok.decode(ids, skip_special_tokens=False)
+                if reply.finished:  # vLLM's token_ids end with the stop token; its text does not
+                    eos = self.model.generation_config.eos_token_id
+                    ended_by = [eos[0] if isinstance(eos, list) else eos]
+                else:
+                    finish = "length"
             message = {"role": "assistant", "content": tok.decode(
                 ids, skip_special_tokens=body.get("skip_special_tokens", True) is not False)}
             if self.reasoning == "parsed" and is_harmony_tokenizer(tok):
                 reasoning, content = parse_harmony(raw)
                 message = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
             out = {"id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion", "model": self.name,
-                   "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                   "choices": [{"index": 0, "message": message, "finish_reason": finish}],
                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}}
             if body.get("return_token_ids"):
-                out["choices"][0]["token_ids"] = list(ids)
+                out["choices"][0]["token_ids"] = list(ids) + ended_by
                 out["prompt_token_ids"] = list(prompt)
             return 200, out
 

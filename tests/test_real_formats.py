@@ -67,3 +67,18 @@ def test_qwen3_coder_real_template_has_no_reasoning():
     tok = qwen3_coder_tokenizer()
     r = render_with_mask(tok, CONV, "all")
     assert _masked(tok, r) == ["Hello!<|im_end|>", "4.<|im_end|>"] and "add them" not in r.text
+
+
+@pytest.mark.parametrize("make", [gpt_oss_tokenizer, qwen3_tokenizer, qwen3_coder_tokenizer, llama3_tokenizer])
+def test_a_reply_cut_at_max_new_tokens_ends_where_the_target_stopped(make):
+    """A regenerated reply cut at max_new_tokens (`finish_reason: length`): the sample ends
+    at its last content token, with no end-of-turn token the target never produced, and the
+    tokens before it are those of the same reply rendered whole."""
+    tok = make()
+    cut = dict(CONV[-1], content="4, because two and", finish_reason="length")
+    whole = render_with_mask(tok, CONV[:-1] + [dict(cut, finish_reason=None)], "last")
+    r = render_with_mask(tok, CONV[:-1] + [cut], "last")
+    (last,) = _masked(tok, r)
+    assert last.endswith("4, because two and") and r.loss_mask[-1] == 1
+    assert r.input_ids == whole.input_ids[:len(r.input_ids)] and len(r.input_ids) < len(whole.input_ids)
+    assert "finish_reason" not in r.text

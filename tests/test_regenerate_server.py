@@ -48,30 +48,43 @@ def test_server_replies_equal_the_in_process_decoder_and_resume(tiny, tmp_path):
         got = regenerate(convs, tiny.tokenizer, out, backend="server", server=_settings(server.url), progress=False,
                          token_checks=checks)
         assert got == hf
-        # every turn went to the server, in order, with the target's own earlier reply in its history
-        assert len(server.requests) == 12
-        second = [r for r in server.requests if len(r["messages"]) == 3]
-        assert {r["messages"][1]["content"] for r in second} == {c[1]["content"] for c in hf}
+        # the random tiny target never stops within 6 tokens: each first reply is cut at
+        # max_new_tokens, marked so, and ends its conversation (no turn answers unfinished text)
+        assert all(len(c) == 2 and c[1]["finish_reason"] == "length" for c in got)
+        assert len(server.requests) == 6
         assert all(r["model"] == "tiny-target" and r["return_token_ids"] for r in server.requests)
-        # the byte tokenizer round-trips every reply: all turns compared, none differ
-        assert checks["turns_compared"] == 12
-        assert checks["prompt_tokens_differ"] == 0
+        assert checks["turns_compared"] == 6 and checks["prompt_tokens_differ"] == 0
         # a kill: three whole records and half a line kept; the rerun asks only for the rest
         lines = out.read_text().splitlines()
         out.write_text("\n".join(lines[:3]) + "\n" + lines[3][:7])
         server.requests.clear()
         assert regenerate(convs, tiny.tokenizer, out, backend="server", server=_settings(server.url),
                           progress=False) == hf
-        assert len(server.requests) == 2 * 3
+        assert len(server.requests) == 3
         done = {r["messages"][0]["content"] for r in server.requests}
         assert done == {c[0]["content"] for c in (convs[json.loads(l)["index"]] for l in lines[3:])}
+
+
+def test_finished_turns_carry_the_targets_reply_into_the_next_prompt(tiny, tmp_path):
+    def script(messages):
+        return f"answer {len(messages)}: {messages[0]['content']}"
+
+    with FakeChatServer(tiny.tokenizer, script=script) as server:
+        checks = __import__("collections").Counter()
+        got = regenerate(_convs(), tiny.tokenizer, tmp_path / "r.jsonl", backend="server",
+                         server=_settings(server.url), progress=False, token_checks=checks)
+    assert len(server.requests) == 12  # every turn of every conversation, in order
+    second = [r for r in server.requests if len(r["messages"]) == 3]
+    assert {r["messages"][1]["content"] for r in second} == {f"answer 1: question {k}?" for k in range(6)}
+    assert all(c[3] == {"role": "assistant", "content": f"answer 3: {c[0]['content']}"} for c in got)
+    assert checks == {"turns_compared": 12}
 
 
 def test_requests_spread_over_replicas_and_retry_on_503(tiny, tmp_path):
     with FakeChatServer(tiny.tokenizer, tiny.model, fail_first=2) as a, FakeChatServer(tiny.tokenizer, tiny.model) as b:
         got = regenerate(_convs(8), tiny.tokenizer, tmp_path / "r.jsonl", backend="server",
                          server=_settings(a.url, b.url), progress=False)
-        assert len(got) == 8 and all(len(c) == 4 for c in got)
+        assert len(got) == 8 and all(len(c) == 2 for c in got)
         assert len(a.requests) > 2 and len(b.requests) > 0  # both replicas served; a's two 503s were retried
 
 
@@ -96,7 +109,7 @@ def test_a_server_without_token_ids_is_still_used(tiny, tmp_path):
         checks = Counter()
         got = regenerate(_convs(2), tiny.tokenizer, tmp_path / "r.jsonl", backend="server",
                          server=_settings(server.url), progress=False, token_checks=checks)
-        assert all(len(c) == 4 for c in got) and not checks
+        assert all(len(c) == 2 for c in got) and not checks
 
 
 @pytest.mark.parametrize("reasoning", ["parsed", "raw"])
@@ -132,10 +145,14 @@ def test_hf_decoder_keeps_harmony_channels():
     # a reply cut inside its analysis has no final text: no content, the turn ends the conversation
     cut = tok("<|channel|>analysis<|message|>Let me think", add_special_tokens=False)["input_ids"]
     assert decoded_reply(tok, cut)["content"] == ""
-    # plain targets are decoded as before
+    # plain targets: special tokens skipped, the text kept as the target wrote it (a
+    # stripped space would re-tokenize to other ids than the target's)
     plain = family_tokenizer("chatml")
     assert decoded_reply(plain, plain(" hi <|im_end|>", add_special_tokens=False)["input_ids"]) == {
-        "role": "assistant", "content": "hi"}
+        "role": "assistant", "content": " hi "}
+    # a reply max_new_tokens cut is marked, so rendering does not end it with an end-of-turn token
+    assert decoded_reply(plain, plain("a long", add_special_tokens=False)["input_ids"], finished=False) == {
+        "role": "assistant", "content": "a long", "finish_reason": "length"}
 
 
 def test_reasoning_parsers():
@@ -173,9 +190,9 @@ def test_prepare_launches_the_engine_regenerates_and_stops_it(tiny_llama_dir, tm
             f"data.regenerate.launch={launch}"]
     assert main(args) == 0
     records = [json.loads(line) for line in (run / "prepared" / "regenerated.jsonl").read_text().splitlines()]
-    assert len(records) == 4 and all(r["token_checks"]["turns_compared"] == 2 for r in records)
+    assert len(records) == 4 and all(r["token_checks"]["turns_compared"] == 1 for r in records)
     report = json.loads((run / "prepared" / "drop_report.json").read_text())
-    assert report["token_checks"]["turns_compared"] == 8
+    assert report["token_checks"]["turns_compared"] == 4
     from eyas.engine_process import answers
 
     assert not answers(url)  # stopped
@@ -189,4 +206,19 @@ def test_an_engine_that_dies_is_reported_with_its_log(tmp_path):
     with pytest.raises(EngineError, match=r"exited with code 3 .*\n.*no GPU here"):
         with launched_engine("sh -c 'echo no GPU here; exit 3'", [f"http://127.0.0.1:{_free_port()}"],
                              tmp_path / "engine.log", timeout_s=30, poll_s=0.05):
+            pass
+
+
+def test_launch_command_takes_leading_environment_assignments(tmp_path):
+    from eyas.engine_process import EngineError, launched_engine, split_command
+
+    assert split_command("CUDA_VISIBLE_DEVICES=0,1 VLLM_X='a b' vllm serve m --port 1") == (
+        {"CUDA_VISIBLE_DEVICES": "0,1", "VLLM_X": "a b"}, ["vllm", "serve", "m", "--port", "1"])
+    assert split_command("vllm serve m --arg=x")[0] == {}  # only leading words set the environment
+    with pytest.raises(EngineError, match="names no program"):
+        split_command("A=1")
+    # the engine really gets them
+    with pytest.raises(EngineError, match=r"exited with code 4 .*\n.*devices 2,3"):
+        with launched_engine("CUDA_VISIBLE_DEVICES=2,3 sh -c 'echo devices $CUDA_VISIBLE_DEVICES; exit 4'",
+                             [f"http://127.0.0.1:{_free_port()}"], tmp_path / "engine.log", timeout_s=30, poll_s=0.05):
             pass
