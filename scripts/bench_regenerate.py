@@ -1,5 +1,7 @@
-"""Benchmark reply regeneration (`decode_replies_hf` in data/decode.py, the prepare stage's decoder) on
-SmolLM2-135M by batch size.
+"""Benchmark reply regeneration on SmolLM2-135M: the hf backend (`decode_replies_hf` in
+data/decode.py, eyas's in-process decoder) by batch size, and the server backend
+(data/regenerate_server.py against a real `vllm serve` from .venv-vllm) by concurrency,
+on the same prompts.
 
 ShareGPT first prompts of at most --max-prompt-tokens tokens, sorted by token length and
 cut into batches as `eyas prepare` does, each regenerated greedily to --max-new-tokens.
@@ -8,13 +10,22 @@ round counts, so a noisy neighbour slows one round, not one size). `--states bot
 every size also keeping the target's states of the fed tokens (`data.regenerate.keep_states`,
 what `eyas capture` then copies), as the variant "<size>+states".
 
+`--backend server` starts `vllm serve` (scripts/vllm_runner.py in .venv-vllm, float32 or
+bf16 as --dtype, 2 GiB KV cache) once, outside the timing, or uses a running one given by
+--server-url; each concurrency then regenerates every prompt through `eyas`'s server path
+(one conversation per prompt, one turn). Both backends count reply tokens the same way:
+the stored reply text tokenized again.
+
 Prints one JSON object. Keys other tools read:
-  reply_tokens_per_s   {batch_size: reply tokens per second}, best round
-  speedup_over_first   {batch_size: reply_tokens_per_s / that of the first size}
+  reply_tokens_per_s   {variant: reply tokens per second}, best round; variants are the hf
+                       batch sizes ("256", "256+states") and "server@<concurrency>"
+  replies_per_s        {variant: replies per second}
+  speedup_over_first   {variant: reply_tokens_per_s / that of the first variant}
   states_cost          {batch_size: seconds with states / without - 1} (--states both)
 
-usage: python scripts/bench_regenerate.py [--prompts 256] [--batch-sizes 64,128,256] [--rounds 2]
-                                         [--states off|on|both]
+usage: python scripts/bench_regenerate.py [--backend hf|server|both] [--prompts 256]
+           [--batch-sizes 64,128,256] [--concurrency 16,64] [--rounds 2] [--states off|on|both]
+           [--server-url URL]
 """
 
 from __future__ import annotations
@@ -22,8 +33,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
+import tempfile
 import time
+from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
@@ -41,10 +56,15 @@ def main() -> int:
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--states", choices=["off", "on", "both"], default="off",
                     help="keep the fed tokens' states (data.regenerate.keep_states): off, on, or both variants")
+    ap.add_argument("--backend", choices=["hf", "server", "both"], default="hf")
+    ap.add_argument("--concurrency", default="16,64", help="server backend: requests in flight, one run each")
+    ap.add_argument("--server-url", help="a running OpenAI-compatible server instead of starting vllm serve")
+    ap.add_argument("--engine-log", default=None, help="where the started engine writes (default: a temp file)")
     args = ap.parse_args()
     keep_freed_memory()  # as every `eyas` command does
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.states]
-    sizes = [(int(s), keep) for s in args.batch_sizes.split(",") for keep in modes]
+    sizes = [(int(s), keep) for s in args.batch_sizes.split(",") for keep in modes] if args.backend != "server" else []
+    concurrencies = [int(c) for c in args.concurrency.split(",")] if args.backend != "hf" else []
 
     from eyas.data.conversations import read_conversations
     from eyas.data.fed_states import fed_state_layer_ids
@@ -55,7 +75,7 @@ def main() -> int:
 
     target = load_target(args.target, dtype=args.dtype, device="cpu")
     convs, _ = read_conversations(["sharegpt"], max_samples=args.prompts * 3)
-    prompts = []
+    prompts, firsts = [], []
     for conv in convs:
         first = before_first_reply(conv)
         try:
@@ -64,39 +84,103 @@ def main() -> int:
             continue
         if first and len(p) <= args.max_prompt_tokens:
             prompts.append(p)
+            firsts.append(first)
         if len(prompts) == args.prompts:
             break
     prompts.sort(key=len)
     layer_ids = fed_state_layer_ids(default_aux_layer_ids(target.num_layers), target.num_layers)
 
-    def name(variant):
-        return f"{variant[0]}+states" if variant[1] else str(variant[0])
+    def count(texts):
+        return sum(len(target.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
 
-    seconds = {v: [] for v in sizes}
-    reply_tokens = {}
-    for _ in range(args.rounds):
-        for bs, keep in sizes:
-            start, n = time.perf_counter(), 0
-            for i in range(0, len(prompts), bs):
-                replies = decode_replies_hf(target.model, target.tokenizer, prompts[i:i + bs], args.max_new_tokens,
-                                            0.0, 1.0, state_layer_ids=layer_ids if keep else None)
-                n += sum(len(target.tokenizer(r.text, add_special_tokens=False)["input_ids"]) for r in replies)
-            seconds[bs, keep].append(time.perf_counter() - start)
-            reply_tokens[bs, keep] = n
-    rate = {v: reply_tokens[v] / min(seconds[v]) for v in sizes}
-    states_cost = {str(bs): round(min(seconds[bs, True]) / min(seconds[bs, False]) - 1, 3)
-                   for bs, keep in sizes if keep and (bs, False) in seconds}
+    variants = [(f"{bs}+states" if keep else str(bs)) for bs, keep in sizes] + [f"server@{c}" for c in concurrencies]
+    seconds = {v: [] for v in variants}
+    reply_tokens, replies_n = {}, {}
+    loadavg_before = os.getloadavg()[0]
+    with _server(args, target.path) as url:
+        for _ in range(args.rounds):
+            for bs, keep in sizes:
+                start, texts = time.perf_counter(), []
+                for i in range(0, len(prompts), bs):
+                    replies = decode_replies_hf(target.model, target.tokenizer, prompts[i:i + bs],
+                                                args.max_new_tokens, 0.0, 1.0,
+                                                state_layer_ids=layer_ids if keep else None)
+                    texts += [r.text for r in replies]
+                v = f"{bs}+states" if keep else str(bs)
+                seconds[v].append(time.perf_counter() - start)
+                reply_tokens[v], replies_n[v] = count(texts), sum(bool(t) for t in texts)
+            for c in concurrencies:
+                v = f"server@{c}"
+                start = time.perf_counter()
+                texts = _regenerate_through_server(url, c, firsts, target.tokenizer, args.max_new_tokens)
+                seconds[v].append(time.perf_counter() - start)
+                reply_tokens[v], replies_n[v] = count(texts), sum(bool(t) for t in texts)
+    rate = {v: reply_tokens[v] / min(seconds[v]) for v in variants}
+    states_cost = {str(bs): round(min(seconds[f"{bs}+states"]) / min(seconds[str(bs)]) - 1, 3)
+                   for bs, keep in sizes if keep and str(bs) in seconds}
     print(json.dumps({
         "settings": {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                      "max_prompt_tokens": args.max_prompt_tokens, "dtype": args.dtype, "rounds": args.rounds,
-                     "threads": torch.get_num_threads(), "loadavg_before": os.getloadavg()[0]},
-        "reply_tokens": {name(v): reply_tokens[v] for v in sizes},
-        "reply_tokens_per_s": {name(v): round(rate[v], 1) for v in sizes},
-        "speedup_over_first": {name(v): round(rate[v] / rate[sizes[0]], 3) for v in sizes},
-        "seconds": {name(v): [round(s, 2) for s in seconds[v]] for v in sizes},
+                     "threads": torch.get_num_threads(), "loadavg_before": loadavg_before,
+                     "server": args.server_url or ("vllm serve (.venv-vllm)" if concurrencies else None)},
+        "reply_tokens": reply_tokens,
+        "reply_tokens_per_s": {v: round(rate[v], 1) for v in variants},
+        "replies_per_s": {v: round(replies_n[v] / min(seconds[v]), 2) for v in variants},
+        "speedup_over_first": {v: round(rate[v] / rate[variants[0]], 3) for v in variants},
+        "seconds": {v: [round(s, 2) for s in seconds[v]] for v in variants},
         **({"states_cost": states_cost} if states_cost else {}),
     }, indent=2))
     return 0
+
+
+def _server(args, model_dir: str):
+    """The base URL to regenerate through: --server-url as it is, else a `vllm serve` of
+    the target started here (its start-up outside the timing) and stopped at the end."""
+    from contextlib import contextmanager
+
+    from eyas.engine_process import launched_engine
+
+    if args.backend == "hf":
+        return nullcontext(None)
+    if args.server_url:
+        return nullcontext(args.server_url)
+    root = Path(__file__).resolve().parent.parent
+    vllm_py = root / ".venv-vllm" / "bin" / "python"
+    if not vllm_py.is_file():
+        sys.exit("--backend server starts vllm serve from .venv-vllm: run scripts/setup_vllm_env.sh, "
+                 "or pass --server-url of a running server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    dtype = {"bfloat16": "bfloat16", "bf16": "bfloat16"}.get(args.dtype, "float32")
+    command = (f"VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 {vllm_py} {root / 'scripts' / 'vllm_runner.py'} "
+               f"--vllm-cli serve {model_dir} --host 127.0.0.1 --port {port} --dtype {dtype} "
+               f"--max-model-len {args.max_prompt_tokens + args.max_new_tokens + 64} --seed 0")
+    log_path = Path(args.engine_log or tempfile.mktemp(prefix="bench-regenerate-engine-", suffix=".log"))
+
+    @contextmanager
+    def started():
+        print(f"starting vllm serve (log: {log_path})", file=sys.stderr)
+        with launched_engine(command, [url], log_path, timeout_s=900):
+            yield url
+
+    return started()
+
+
+def _regenerate_through_server(url: str, concurrency: int, firsts: list[list[dict]], tokenizer,
+                               max_new_tokens: int) -> list[str]:
+    """Every first prompt through eyas's server backend, as `eyas prepare` sends them;
+    returns the stored reply texts ("" where none came)."""
+    from eyas.data.regenerate import regenerate
+    from eyas.data.regenerate_server import ServerSettings
+
+    conversations = [first + [{"role": "assistant", "content": ""}] for first in firsts]
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = ServerSettings(urls=[url], concurrency=concurrency, max_new_tokens=max_new_tokens)
+        out = regenerate(conversations, tokenizer, Path(tmp) / "regenerated.jsonl", backend="server",
+                         server=settings, progress=False)
+    return [c[-1]["content"] if c else "" for c in out]
 
 
 if __name__ == "__main__":

@@ -78,8 +78,10 @@ def test_capture_roundtrip_and_cache_reader(llama, tmp_path):
         ids = torch.tensor(split["input_ids"][j])
         assert torch.equal(s["input_ids"], ids) and s["loss_mask"].tolist() == split["loss_mask"][j]
         aux, last = compute_features(llama.model, ids[None], None, aux_ids)
-        torch.testing.assert_close(s["aux"], aux[0].bfloat16(), rtol=0, atol=0)
-        torch.testing.assert_close(s["last"], last[0].bfloat16(), rtol=0, atol=0)
+        # the capture ran padded batches, this one sample alone: float32 sums of another
+        # blocking may round to the neighbouring bf16 value (seen on AMD EPYC), never further
+        torch.testing.assert_close(s["aux"].float(), aux[0].bfloat16().float(), rtol=2 ** -7, atol=1e-6)
+        torch.testing.assert_close(s["last"].float(), last[0].bfloat16().float(), rtol=2 ** -7, atol=1e-6)
     assert seen == set(range(12))
 
 
