@@ -119,7 +119,7 @@ def render_with_mask(tokenizer, messages: Conversation, train_on: Literal["all",
     A last assistant message with `finish_reason: "length"` (a regenerated reply cut at
     max_new_tokens) ends the sample at its last content token: the end-of-turn special
     tokens the template writes after it, and all that follows, are not what the target
-    produced, so they are neither trained on nor fed (DESIGN §2).
+    produced, so they are neither trained on nor fed (DESIGN §2.1).
 
     A rendering longer than `max_length` raises `over_length`, or with `truncate` keeps its
     first `max_length` tokens (`Rendered.truncated` says so). Raises `TemplateError`

@@ -1,7 +1,7 @@
 """Benchmark reply regeneration on SmolLM2-135M: the hf backend (`decode_replies_hf` in
 data/decode.py, eyas's in-process decoder) by batch size, and the server backend
 (data/regenerate_server.py against a real `vllm serve` from .venv-vllm) by concurrency,
-on the same prompts.
+on the same prompts, the hf sizes first (no engine running beside them).
 
 ShareGPT first prompts of at most --max-prompt-tokens tokens, sorted by token length and
 cut into batches as `eyas prepare` does, each regenerated greedily to --max-new-tokens.
@@ -97,18 +97,19 @@ def main() -> int:
     seconds = {v: [] for v in variants}
     reply_tokens, replies_n = {}, {}
     loadavg_before = os.getloadavg()[0]
+    # the hf sizes first, with no engine up: an idle vLLM engine still takes CPU time
+    for _ in range(args.rounds):
+        for bs, keep in sizes:
+            start, texts = time.perf_counter(), []
+            for i in range(0, len(prompts), bs):
+                replies = decode_replies_hf(target.model, target.tokenizer, prompts[i:i + bs],
+                                            args.max_new_tokens, 0.0, 1.0, state_layer_ids=layer_ids if keep else None)
+                texts += [r.text for r in replies]
+            v = f"{bs}+states" if keep else str(bs)
+            seconds[v].append(time.perf_counter() - start)
+            reply_tokens[v], replies_n[v] = count(texts), sum(bool(t) for t in texts)
     with _server(args, target.path) as url:
         for _ in range(args.rounds):
-            for bs, keep in sizes:
-                start, texts = time.perf_counter(), []
-                for i in range(0, len(prompts), bs):
-                    replies = decode_replies_hf(target.model, target.tokenizer, prompts[i:i + bs],
-                                                args.max_new_tokens, 0.0, 1.0,
-                                                state_layer_ids=layer_ids if keep else None)
-                    texts += [r.text for r in replies]
-                v = f"{bs}+states" if keep else str(bs)
-                seconds[v].append(time.perf_counter() - start)
-                reply_tokens[v], replies_n[v] = count(texts), sum(bool(t) for t in texts)
             for c in concurrencies:
                 v = f"server@{c}"
                 start = time.perf_counter()

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The test command: set up (or reuse) the virtual environment, then run pytest.
-#   scripts/test.sh               the fast suite (~1-2 min), then the slow end-to-end tests
-#                                 (real SmolLM2, SIGKILL/resume, DDP and DeepSpeed launches; ~4 min)
+#   scripts/test.sh               the fast suite (~5 min), then the slow end-to-end tests
+#                                 (real SmolLM2, SIGKILL/resume, DDP and DeepSpeed launches, and
+#                                 the real vLLM of .venv-vllm, set up here: regeneration through
+#                                 `vllm serve`, heads served with eyas's acceptance)
 #   EYAS_TEST_FAST=1 scripts/test.sh   the fast suite only
+#   EYAS_TEST_VLLM=0 scripts/test.sh   both tiers, without setting up or running vLLM
 #   scripts/test.sh -m slow       pytest arguments of your own (here: only the slow tests)
 # Extra arguments go to pytest.
 set -uo pipefail
@@ -25,7 +28,13 @@ fi
 run_pytest -m "not slow and not vllm and not cuda" -q
 rc=$?
 if [ $rc -eq 0 ] && [ "${EYAS_TEST_FAST:-0}" != "1" ]; then
-  run_pytest -m "slow and not vllm and not cuda" -q
+  slow="slow and not cuda"
+  if [ "${EYAS_TEST_VLLM:-1}" = "0" ]; then
+    slow="$slow and not vllm"
+  else
+    scripts/setup_vllm_env.sh || { echo "vLLM environment setup failed (EYAS_TEST_VLLM=0 skips it)" >&2; exit 1; }
+  fi
+  run_pytest -m "$slow" -q
   rc=$?
 fi
 exit $rc

@@ -7,6 +7,10 @@ steps -> export -> export --check -> eval on 2 prompts.
 """
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,17 +60,19 @@ def _family(target: str):
     raise AssertionError(f"no tiny stand-in for target {target!r}: add one here before shipping the recipe")
 
 
-def _corpus(path: Path) -> Path:
+def _corpus(path: Path, n: int = 8) -> Path:
     rows = [{"conversations": [{"from": "human", "value": f"Write a short note about topic {k}."},
                                {"from": "gpt", "value": "A note."},
                                {"from": "human", "value": "Shorter, please."},
-                               {"from": "gpt", "value": "Note."}]} for k in range(8)]
+                               {"from": "gpt", "value": "Note."}]} for k in range(n)]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
 
 
-@pytest.mark.parametrize("recipe_name", RECIPES)
-def test_recipe_runs_end_to_end_at_tiny_scale(recipe_name, tmp_path):
+def _tiny_recipe_data(recipe_name: str, tmp_path: Path, n: int = 6, extra: tuple = ()) -> tuple[Path, list[str]]:
+    """prepare and capture of a recipe on its tiny stand-in (server regeneration against
+    the fake engine where the recipe uses the server backend); returns the recipe path and
+    the overrides every later stage takes."""
     from tiny_targets import build_tiny_model, save_tiny_target
 
     recipe_path = ROOT / "recipes" / recipe_name
@@ -75,10 +81,10 @@ def test_recipe_runs_end_to_end_at_tiny_scale(recipe_name, tmp_path):
     tokenizer = make_tokenizer()
     target_dir = save_tiny_target(arch, tmp_path / "target", tokenizer=tokenizer, stop_tokens=stops)
     run = tmp_path / "run"
-    overrides = [f"run_dir={run}", f"target.name_or_path={target_dir}", f"data.sources=[{_corpus(tmp_path / 'c.jsonl')}]",
-                 "data.max_samples=6", "data.eval_fraction=0.2", "data.regenerate.max_new_tokens=12",
+    overrides = [f"run_dir={run}", f"target.name_or_path={target_dir}", f"data.sources=[{_corpus(tmp_path / 'c.jsonl', n)}]",
+                 f"data.max_samples={n}", "data.eval_fraction=0.2", "data.regenerate.max_new_tokens=12",
                  "data.max_length=1024", "data.aux_layer_ids=null", "train.max_steps=3", "train.warmup_steps=1",
-                 "train.eval_every=3", "train.save_every=3", "eval.max_prompts=2", "eval.max_new_tokens=8"]
+                 "train.eval_every=3", "train.save_every=3", "eval.max_prompts=2", "eval.max_new_tokens=8", *extra]
     rg = recipe.data.regenerate
     server = None
     if rg.enabled and rg.backend == "server":
@@ -87,9 +93,8 @@ def test_recipe_runs_end_to_end_at_tiny_scale(recipe_name, tmp_path):
         server = FakeChatServer(tokenizer, model).__enter__()
         overrides += ["data.regenerate.launch=null", f"data.regenerate.server_urls=[{server.url}]"]
     try:
-        for stage in ("prepare", "capture", "train", "export"):
-            assert main([stage, "--no-progress", "-r", str(recipe_path), *overrides]
-                         if stage != "export" else [stage, "-r", str(recipe_path), *overrides]) == 0, (stage, what)
+        for stage in ("prepare", "capture"):
+            assert main([stage, "--no-progress", "-r", str(recipe_path), *overrides]) == 0, (stage, what)
     finally:
         if server is not None:
             server.__exit__(None, None, None)
@@ -97,9 +102,53 @@ def test_recipe_runs_end_to_end_at_tiny_scale(recipe_name, tmp_path):
         assert server.requests, "the recipe's regeneration never reached the server"
     report = json.loads((run / "prepared" / "drop_report.json").read_text())
     assert report["kept"] > 0, report
+    return recipe_path, overrides
+
+
+def _export_check_eval(recipe_path: Path, overrides: list[str], run: Path) -> None:
+    recipe = load_recipe(recipe_path)
+    assert main(["export", "-r", str(recipe_path), *overrides]) == 0
     export = run / "export"
     assert main(["export", "--check", str(export)]) == 0
     config = json.loads((export / "config.json").read_text())
     assert config["speculators_model_type"] == recipe.head.algorithm
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == recipe.head.speculative_tokens
     assert main(["eval", "-r", str(recipe_path), *overrides, "--json"]) == 0
+
+
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_recipe_runs_end_to_end_at_tiny_scale(recipe_name, tmp_path):
+    recipe_path, overrides = _tiny_recipe_data(recipe_name, tmp_path)
+    assert main(["train", "--no-progress", "-r", str(recipe_path), *overrides]) == 0
+    _export_check_eval(recipe_path, overrides, tmp_path / "run")
+
+
+def _launch_config(recipe_name: str) -> str:
+    """The accelerate config a recipe's header tells users to launch it with."""
+    text = (ROOT / "recipes" / recipe_name).read_text()
+    m = re.search(r"accelerate launch --config_file (recipes/accelerate/\S+\.yaml)", text)
+    assert m, f"{recipe_name} names no accelerate config in its header"
+    return m.group(1)
+
+
+GPU_RECIPES = [r for r in RECIPES if not r.startswith("smollm2")]
+# one recipe per accelerate config the GPU recipes use, each run with that config
+LAUNCHED = sorted({_launch_config(r): r for r in reversed(GPU_RECIPES)}.items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,recipe_name", LAUNCHED, ids=[c for c, _ in LAUNCHED])
+def test_gpu_recipe_trains_under_its_accelerate_config_on_two_cpu_processes(config, recipe_name, tmp_path):
+    if "deepspeed" in config:
+        pytest.importorskip("deepspeed")
+    # enough samples and small enough batches that each of the 2 processes gets its own
+    recipe_path, overrides = _tiny_recipe_data(recipe_name, tmp_path, n=24, extra=("train.batch_tokens=128",))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / config),
+           "--num_processes", "2", "-m", "eyas.train", "-r", str(recipe_path), "--no-progress", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True,
+                          text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "training on 2 process(es)" in out
+    assert (tmp_path / "run" / "checkpoints" / "final" / "head.safetensors").is_file()
+    _export_check_eval(recipe_path, overrides, tmp_path / "run")
