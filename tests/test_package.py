@@ -124,3 +124,32 @@ def test_packaged_file_names_the_install_command(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing"):
         packaged_file("eyas", "no/such/file.txt", "eyas")
     assert packaged_file("eyas", "recipe.py", "eyas").is_file()
+
+
+@pytest.mark.parametrize("override", [
+    "train.grad_accum=0", "train.max_steps=-3", "train.max_steps=0", "train.epochs=0", "train.epochs=-1",
+    "train.batch_tokens=0", "train.learning_rate=-1e-4", "train.learning_rate=0", "train.betas=[0.9, 1.5]",
+    "train.warmup_steps=-1", "train.save_every=0", "train.eval_every=0", "train.keep_checkpoints=0",
+    "train.cod_r=1.5", "train.ttt_steps=0", "data.eval_fraction=-0.1", "data.eval_fraction=1",
+    "data.eval_fraction=1.5", "data.max_length=0", "data.max_samples=0", "data.aux_layer_ids=[2, -1]",
+    "data.capture_batch_tokens=0", "head.num_layers=0", "head.draft_vocab_size=0", "head.hidden_size=0",
+    "head.speculative_tokens=0", "head.speculative_tokens=1000", "eval.k=0", "eval.k=500",
+    "eval.max_new_tokens=0", "eval.temperature=-1", "eval.ngram_min=0", "data.regenerate.concurrency=0",
+])
+def test_out_of_range_values_fail_at_load_naming_key_and_file(override, tmp_path):
+    """A bad number fails when the recipe loads (before any target is loaded), with the
+    key and the file in the message, not deep inside a stage."""
+    f = tmp_path / "r.yaml"
+    f.write_text("train:\n  learning_rate: 1.0e-4\n")
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(f, overrides=[override])
+    key = override.split("=")[0]
+    assert key in str(exc.value) and str(f) in str(exc.value), str(exc.value)
+
+
+def test_in_range_edges_load():
+    r = recipe_from_dict({}, overrides=["data.eval_fraction=0", "train.warmup_steps=0", "train.max_grad_norm=0",
+                                        "train.max_steps=1", "head.speculative_tokens=64", "train.betas=[0, 0.999]"])
+    assert r.data.eval_fraction == 0 and r.train.max_grad_norm == 0 and r.head.speculative_tokens == 64
+    with pytest.raises(RecipeError, match="ngram_max .* below eval.ngram_min"):
+        recipe_from_dict({"eval": {"ngram_min": 6, "ngram_max": 3}})
