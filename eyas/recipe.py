@@ -162,9 +162,9 @@ class TrainSection(_Section):
     cod_r: float = Field(0.8, gt=0, le=1)
     cod_r_min: float = Field(0.2, ge=0, le=1)
     segment_length: Optional[PositiveInt] = None
-    eval_every: int = Field(500, ge=1)
-    save_every: int = Field(500, ge=1)
-    keep_checkpoints: int = Field(2, ge=1)
+    eval_every: int = Field(500, ge=0)  # 0: only at the end
+    save_every: int = Field(500, ge=0)  # 0: only the final checkpoint
+    keep_checkpoints: int = Field(2, ge=0)  # 0: keep every checkpoint
     log_every: int = Field(10, ge=1)
     logger: Literal["tensorboard", "wandb", "jsonl", "none"] = "jsonl"
     max_nonfinite_steps: int = Field(5, ge=0)

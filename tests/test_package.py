@@ -129,7 +129,7 @@ def test_packaged_file_names_the_install_command(tmp_path):
 @pytest.mark.parametrize("override", [
     "train.grad_accum=0", "train.max_steps=-3", "train.max_steps=0", "train.epochs=0", "train.epochs=-1",
     "train.batch_tokens=0", "train.learning_rate=-1e-4", "train.learning_rate=0", "train.betas=[0.9, 1.5]",
-    "train.warmup_steps=-1", "train.save_every=0", "train.eval_every=0", "train.keep_checkpoints=0",
+    "train.warmup_steps=-1", "train.save_every=-1", "train.eval_every=-5", "train.keep_checkpoints=-1",
     "train.cod_r=1.5", "train.ttt_steps=0", "data.eval_fraction=-0.1", "data.eval_fraction=1",
     "data.eval_fraction=1.5", "data.max_length=0", "data.max_samples=0", "data.aux_layer_ids=[2, -1]",
     "data.capture_batch_tokens=0", "head.num_layers=0", "head.draft_vocab_size=0", "head.hidden_size=0",
