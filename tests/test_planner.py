@@ -95,3 +95,28 @@ def test_plan_cli_serves_the_head_the_report_measured(tmp_path, capsys):
                  "--out", str(tmp_path / "plan")]) == 0
     out = capsys.readouterr().out
     assert '"model": "runs/my-head/export"' in out and (tmp_path / "plan" / "plan.png").is_file()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--acceptance", "0.7,1.3"], r"acceptances must be numbers in \[0, 1\]"),
+    (["--acceptance", "0.7,-0.1"], r"acceptances must be numbers in \[0, 1\]"),
+    (["--acceptance", "0.7,x"], "expected numbers"),
+    (["--acceptance", "0.7", "--concurrency", "1,0"], "--concurrency values must be at least 1"),
+    (["--acceptance", "0.7", "--concurrency", "1,two"], "expected whole numbers"),
+    (["--acceptance", "0.7", "--max-k", "0"], "--max-k must be at least 1"),
+    (["--acceptance", "0.7", "--max-k", "500"], "--max-k must be at most 64"),
+    (["--acceptance", "0.7", "--context", "0"], "--context must be at least 1"),
+])
+def test_plan_names_the_bad_flag(flags, message, tmp_path):
+    with pytest.raises(SystemExit, match=message):
+        main(["plan", *flags, "--hardware", "H200", "--target-params", "llama-3.1-8b", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("content", ["", "{not json", "[1, 2]",
+                                     '{"drafters": {"head": {"per_position_acceptance": [0.5, 7]}}}'])
+def test_plan_names_a_damaged_report(content, tmp_path):
+    path = tmp_path / "eval_report.json"
+    path.write_text(content)
+    with pytest.raises(SystemExit, match=str(path)):
+        main(["plan", "--report", str(path), "--hardware", "H200", "--target-params", "llama-3.1-8b",
+              "--out", str(tmp_path)])

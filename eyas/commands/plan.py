@@ -46,21 +46,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _acceptance(args, recipe) -> tuple[list[float], str | None, str, str | None]:
     """(per-position acceptance, algorithm, where it came from, the evaluated head's dir)."""
     if args.acceptance:
-        return [float(x) for x in args.acceptance.split(",")], None, "--acceptance", None
+        try:
+            rates = [float(x) for x in args.acceptance.split(",")]
+        except ValueError:
+            raise SystemExit(f"eyas plan: --acceptance {args.acceptance!r}: expected numbers a1,a2,...") from None
+        return _checked_rates(rates, "--acceptance"), None, "--acceptance", None
     path = Path(args.report) if args.report else recipe.paths.eval / "eval_report.json"
     if not path.is_file():
         raise SystemExit(f"eyas plan: no report at {path}; run `eyas eval` or pass --acceptance a1,a2,...")
-    report = json.loads(path.read_text())
-    head = report.get("drafters", {}).get("head")
+    try:
+        report = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SystemExit(f"eyas plan: {path} is not a JSON eval report ({err}); run `eyas eval` again") from None
+    head = report.get("drafters", {}).get("head") if isinstance(report, dict) else None
     if not head or not head.get("per_position_acceptance"):
         raise SystemExit(f"eyas plan: {path} holds no head acceptance (was eval run without --head?)")
     rates = [r for r in head["per_position_acceptance"] if r is not None]
-    return rates, report.get("algorithm"), str(path), report.get("head")
+    return _checked_rates(rates, str(path)), report.get("algorithm"), str(path), report.get("head")
+
+
+def _checked_rates(rates: list, source: str) -> list[float]:
+    """Acceptance rates are probabilities: anything outside [0, 1] is a typo or a damaged report."""
+    bad = [r for r in rates if not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0]
+    if bad or not rates:
+        raise SystemExit(f"eyas plan: {source}: per-position acceptances must be numbers in [0, 1], got {rates}")
+    return [float(r) for r in rates]
+
+
+def _check_flags(args) -> list[int]:
+    """The numeric flags in range (SystemExit naming the flag); returns the concurrencies."""
+    from eyas.recipe import MAX_K
+
+    for flag, value, low in (("--max-k", args.max_k, 1), ("--context", args.context, 1),
+                             ("--draft-vocab", args.draft_vocab, 1), ("--head-layers", args.head_layers, 1),
+                             ("--serve-concurrency", args.serve_concurrency, 1)):
+        if value is not None and value < low:
+            raise SystemExit(f"eyas plan: {flag} must be at least {low}, got {value}")
+    if args.max_k > MAX_K:
+        raise SystemExit(f"eyas plan: --max-k must be at most {MAX_K}, got {args.max_k}")
+    if not args.concurrency:
+        return []
+    try:
+        conc = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        raise SystemExit(f"eyas plan: --concurrency {args.concurrency!r}: expected whole numbers b1,b2,...") from None
+    if any(c < 1 for c in conc):
+        raise SystemExit(f"eyas plan: --concurrency values must be at least 1, got {args.concurrency}")
+    return conc
 
 
 def run(args: argparse.Namespace) -> int:
     from eyas.eval import planner as P
 
+    given_conc = _check_flags(args)
     recipe = load_recipe_from_args(args)
     rates, report_alg, source, head_dir = _acceptance(args, recipe)
     if args.hardware not in P.HARDWARE:
@@ -72,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         target = P.parse_target(args.target_params)
     except ValueError as err:
         raise SystemExit(f"eyas plan: {err}") from None
-    conc = [int(c) for c in args.concurrency.split(",")] if args.concurrency else list(P.CONCURRENCY)
+    conc = given_conc or list(P.CONCURRENCY)
     algorithms = ["eagle3", "peagle"] if args.compare else [args.algorithm or report_alg or "eagle3"]
     plans = {}
     for alg in algorithms:
