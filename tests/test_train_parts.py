@@ -117,3 +117,19 @@ def test_latest_checkpoint_ignores_incomplete(tmp_path):
     (tmp_path / ".tmp-step-00000006").mkdir()
     assert latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
     assert [s for s, _ in list_checkpoints(tmp_path)] == [2]
+
+
+def test_a_draft_vocabulary_above_the_targets_is_named_not_silently_clamped(tiny_llama_dir, caplog):
+    from transformers import AutoConfig
+
+    from eyas.recipe import recipe_from_dict
+    from eyas.train.build import head_config_for
+
+    target_config = AutoConfig.from_pretrained(tiny_llama_dir)
+    vocab = target_config.vocab_size
+    config = head_config_for(recipe_from_dict({"head": {"draft_vocab_size": vocab + 1000}}), target_config)
+    assert config.draft_vocab_size == vocab and not config.uses_vocab_map
+    assert f"head.draft_vocab_size {vocab + 1000} is above the target's vocabulary ({vocab})" in caplog.text
+    caplog.clear()
+    assert head_config_for(recipe_from_dict({"head": {"draft_vocab_size": vocab // 2}}), target_config).uses_vocab_map
+    assert "above the target's vocabulary" not in caplog.text

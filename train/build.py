@@ -4,6 +4,7 @@ target output layers (final norm + LM head) the labels are computed with."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,8 @@ from eyas.heads.config import DraftHeadConfig, head_config_from_target
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.peagle import build_head, choose_mask_token_id
 from eyas.heads.vocab import build_vocab_map
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,6 +45,9 @@ def head_config_for(recipe, target_config, verifier: str | None = None, tokenize
     mask token, else an unused or reserved id; never pad/EOS, whose rows the target uses)."""
     h = recipe.head
     mask_id = h.mask_token_id
+    if h.draft_vocab_size > (vocab := text_config(target_config).vocab_size):
+        log.warning("head.draft_vocab_size %d is above the target's vocabulary (%d): the head drafts over the "
+                    "whole target vocabulary, with no draft-vocabulary map", h.draft_vocab_size, vocab)
     if h.algorithm == "peagle":
         mask_id = choose_mask_token_id(tokenizer, text_config(target_config).vocab_size, explicit=mask_id,
                                        token_freqs=token_freqs)
