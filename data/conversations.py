@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 from eyas.assets import packaged_file
+from eyas.hub_ids import looks_like_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -266,14 +267,6 @@ def normalize_row(row: Any, fmt: str = "auto", bad_encoding: str = "drop", repai
 
 def _turns_of(row: dict) -> list:
     return row.get("conversations") if isinstance(row.get("conversations"), list) else row.get("messages", [])
-
-
-def looks_like_hub_id(name: str) -> bool:
-    """`org/name` (what the Hub calls a repo id): not a relative or absolute path, no file
-    extension a local file would have. Anything else that does not exist is a missing file."""
-    if name.startswith((".", "/", "~")) or name.count("/") != 1:
-        return False
-    return not re.search(r"\.(jsonl?|parquet|csv|arrow|txt|gz)$", name, re.IGNORECASE)
 
 
 def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:

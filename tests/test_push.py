@@ -186,3 +186,44 @@ def test_card_without_summary_or_report(tmp_path):
     card = model_card(d, "org/plain")
     assert "EAGLE-3" in card and "## Training" not in card and "## Offline acceptance" not in card
     assert "the full target vocabulary (320)" in card
+
+
+def test_a_head_naming_a_local_verifier_is_not_pushed(hub, tmp_path, capsys):
+    d = export_head(random_head(verifier_name_or_path=str(tmp_path / "my-target")), tmp_path / "e")
+    with pytest.raises(PushError, match="not a Hub id.*target.hub_id"):
+        plan_push(d, "org/head")
+    assert main(["push", str(d), "--repo-id", "org/head", "--dry-run"]) == 1
+    assert "target.hub_id" in capsys.readouterr().err
+    # the card of such a head links nothing on the Hub
+    card = model_card(d, "org/head")
+    assert "base_model" not in card and "huggingface.co//" not in card and "huggingface.co/" + str(tmp_path) not in card
+
+
+def test_card_names_local_data_by_file_name_and_missing_metrics_as_na(exported):
+    (exported / "training_summary.json").write_text(json.dumps(
+        {"data_sources": ["/home/me/secret/convs.jsonl", "sharegpt", "someorg/chats"], "steps": 10}))
+    (exported / "eval_report.json").write_text(json.dumps({"tau": 2.0, "per_position_acceptance": [0.8, None, None]}))
+    card = plan_push(exported, "org/head").card
+    assert "/home/me" not in card and "local file convs.jsonl, sharegpt, someorg/chats" in card
+    assert "| acceptance | 0.800 | n/a | n/a |" in card
+
+
+def test_recipe_hub_id_is_the_verifier_of_a_head_trained_from_a_local_dir(tmp_path, tiny_llama_dir):
+    from train_run_fixtures import prepare_run
+
+    from eyas.heads.load_export import config_from_export, detect_format, read_config
+
+    recipe = prepare_run(tmp_path, tiny_llama_dir, "online", n=8, max_steps=1)
+    run = str(recipe.run_dir)
+    overrides = [f"run_dir={run}", f"target.name_or_path={tiny_llama_dir}", "target.hub_id=someorg/tiny-llama",
+                 "train.max_steps=1"]
+    import yaml
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe.model_dump(mode="json")))
+    assert main(["train", "--no-progress", "-r", str(path), *overrides]) == 0
+    assert main(["export", "-r", str(path), *overrides]) == 0
+    export = recipe.paths.export
+    assert config_from_export(read_config(export / "config.json"), detect_format(export)).verifier_name_or_path == \
+        "someorg/tiny-llama"
+    assert plan_push(export, "org/head").files  # pushable now

@@ -218,8 +218,9 @@ def train(recipe, target=None, progress: bool = True) -> dict:
     pad_id = getattr(target.tokenizer, "pad_token_id", None) or 0
     freqs_path = paths.prepared / "token_freqs.safetensors"
     freqs = load_token_frequencies(freqs_path) if freqs_path.is_file() else None
-    head_cfg = head_config_for(recipe, target.config, verifier=target.hub_id, tokenizer=target.tokenizer,
-                               token_freqs=freqs)
+    # the verifier the exported head names: the recipe's Hub id for a target loaded from a local dir
+    head_cfg = head_config_for(recipe, target.config, verifier=recipe.target.hub_id or target.hub_id,
+                               tokenizer=target.tokenizer, token_freqs=freqs)
     head = build_trainable_head(head_cfg, target.model, freqs).to(device)
     if cfg.freeze_lm_head:
         if head_cfg.hidden_size != head_cfg.target_hidden_size:
