@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.verbose)
     from eyas.allocator import keep_freed_memory
     from eyas.recipe import RecipeError
+    from eyas.run_lock import RunDirBusy, release_run_dirs
 
     keep_freed_memory()
 
@@ -67,9 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as err:
         print(f"eyas {args.stage}: {err}", file=sys.stderr)
         return 2
+    except RunDirBusy as err:
+        print(f"eyas {args.stage}: {err}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print(f"eyas {args.stage}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        release_run_dirs()
 
 
 if __name__ == "__main__":

@@ -153,3 +153,22 @@ def test_in_range_edges_load():
     assert r.data.eval_fraction == 0 and r.train.max_grad_norm == 0 and r.head.speculative_tokens == 64
     with pytest.raises(RecipeError, match="ngram_max .* below eval.ngram_min"):
         recipe_from_dict({"eval": {"ngram_min": 6, "ngram_max": 3}})
+
+
+def test_a_second_writer_of_a_run_dir_is_refused_naming_the_first(tmp_path, capsys):
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from eyas.run_lock import claim_run_dir\n"
+                               f"claim_run_dir({str(run)!r}, 'train'); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["prepare", f"run_dir={run}", "data.sources=[nothing.jsonl]"]) == 3
+        err = capsys.readouterr().err
+        assert f"run dir {run} is in use by PID {holder.pid} (eyas train)" in err
+    finally:
+        holder.kill()
+        holder.wait()
+    # the lock goes with its process, however it ended; the next command gets past it
+    assert main(["prepare", f"run_dir={run}", "data.sources=[nothing.jsonl]"]) != 3
+    assert "in use" not in capsys.readouterr().err

@@ -227,3 +227,21 @@ def test_recipe_hub_id_is_the_verifier_of_a_head_trained_from_a_local_dir(tmp_pa
     assert config_from_export(read_config(export / "config.json"), detect_format(export)).verifier_name_or_path == \
         "someorg/tiny-llama"
     assert plan_push(export, "org/head").files  # pushable now
+
+
+def test_export_with_target_hub_id_corrects_a_head_trained_under_a_local_path(tmp_path, tiny_llama_dir):
+    """A head already trained naming a local verifier is made pushable by re-exporting it
+    with target.hub_id, without training again."""
+    from train_run_fixtures import prepare_run
+
+    import yaml
+
+    recipe = prepare_run(tmp_path, tiny_llama_dir, "online", n=8, max_steps=1)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe.model_dump(mode="json")))
+    assert main(["train", "--no-progress", "-r", str(path)]) == 0
+    assert main(["export", "-r", str(path)]) == 0
+    with pytest.raises(PushError, match="not a Hub id"):
+        plan_push(recipe.paths.export, "org/head")
+    assert main(["export", "-r", str(path), "target.hub_id=someorg/tiny-llama"]) == 0
+    assert plan_push(recipe.paths.export, "org/head").files

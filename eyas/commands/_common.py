@@ -12,10 +12,17 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
                         help="recipe overrides, e.g. train.learning_rate=2e-4 run_dir=runs/x")
 
 
-def load_recipe_from_args(args: argparse.Namespace):
+def load_recipe_from_args(args: argparse.Namespace, writes: str | None = None):
+    """The recipe of the command line; `writes` (the stage's name) when the stage writes
+    its run dir, which it then holds for itself (eyas/run_lock.py)."""
     from eyas.recipe import load_recipe
 
-    return load_recipe(args.recipe, list(getattr(args, "overrides", None) or []))
+    recipe = load_recipe(args.recipe, list(getattr(args, "overrides", None) or []))
+    if writes:
+        from eyas.run_lock import claim_run_dir
+
+        claim_run_dir(recipe.run_dir, writes)
+    return recipe
 
 
 def not_implemented(stage: str) -> int:

@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from eyas.data.cache import bytes_per_token, read_manifest, verify_cache
 
-    recipe = load_recipe_from_args(args)
+    recipe = load_recipe_from_args(args, writes="capture")
     cache = recipe.paths.cache
     splits = [s for s in args.splits.split(",") if s]
     if args.verify:

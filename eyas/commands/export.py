@@ -59,7 +59,7 @@ def _check(head_dir: str, as_json: bool) -> int:
 def _paths(args):
     ckpt, out, fmt, verifier = args.checkpoint, args.out, args.format, args.verifier
     if args.recipe or not (ckpt and out):
-        recipe = load_recipe_from_args(args)
+        recipe = load_recipe_from_args(args, writes="export")
         ckpt = ckpt or str(recipe.paths.checkpoints / "final")
         out = out or str(recipe.paths.export)
         fmt = fmt or recipe.export.format
@@ -68,9 +68,13 @@ def _paths(args):
 
 
 def _recipe_verifier(recipe, ckpt) -> str | None:
-    """The recipe's target as a Hub id, used only when the head config names none."""
+    """The verifier to name: `target.hub_id` when the recipe sets it (it corrects a head
+    trained from a local directory); else the recipe's target, only when the head config
+    names none."""
     from eyas.data.targets import SMOLLM2_ALIAS, SMOLLM2_HUB_ID
 
+    if recipe.target.hub_id:
+        return recipe.target.hub_id
     cfg_path = Path(ckpt) / "head_config.json"
     if cfg_path.is_file() and json.loads(cfg_path.read_text()).get("verifier_name_or_path"):
         return None

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from eyas.data.conversations import NoUsableDataError
     from eyas.data.prepare import prepare
 
-    recipe = load_recipe_from_args(args)
+    recipe = load_recipe_from_args(args, writes="prepare")
     try:
         meta = prepare(recipe, progress=not args.no_progress)
     except (NoUsableDataError, FileNotFoundError) as err:

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from eyas.train.loop import TrainingStopped, train
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    recipe = load_recipe_from_args(args)
+    recipe = load_recipe_from_args(args, writes="train")
     try:
         summary = train(recipe, progress=not args.no_progress)
     except TrainingStopped as err:
