@@ -59,3 +59,17 @@ def test_deepspeed_zero2_two_cpu_processes(prepared, tmp_path):
                                              "--num_processes", "2"], env={"DS_ACCELERATOR": "cpu"})
     _check(run_dir, out, "DEEPSPEED")
     assert (run_dir / "checkpoints" / "step-00000004" / "accelerate").is_dir()
+    # nothing eyas hands accelerate is pickled: the scheduler state lives in state.json
+    assert not list((run_dir / "checkpoints").rglob("custom_checkpoint_*.pkl"))
+    # a run killed after step 2 resumes there under ZeRO-2 and reaches the same end
+    import shutil
+
+    for name in ("final", "step-00000004"):
+        shutil.rmtree(run_dir / "checkpoints" / name)
+    cmd = [*ACCELERATE, "--config_file", str(REPO / "recipes/accelerate/deepspeed_zero2.yaml"), "--num_processes", "2",
+           "-m", "eyas.train", "--recipe", str(tmp_path / "r.yaml"), "--no-progress"]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
+                          timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "step-00000002 (step 2)" in out and (run_dir / "checkpoints" / "final" / "head.safetensors").is_file()

@@ -243,9 +243,9 @@ def train(recipe, target=None, progress: bool = True) -> dict:
     # once per process).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg.warmup_steps, total))
     _fill_deepspeed_config(accelerator, cfg)
+    # The scheduler's state travels in state.json under every launcher: registered with
+    # accelerate it would be pickled and loaded back with weights_only=False.
     model, optimizer = accelerator.prepare(model, optimizer)
-    if uses_engine_state(accelerator):
-        accelerator.register_for_checkpointing(scheduler)
     generator = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + rank)
 
     state = TrainerState(world_size=world)
@@ -255,8 +255,7 @@ def train(recipe, target=None, progress: bool = True) -> dict:
         if state.world_size != world:
             log.warning("%s was written by %d processes, resuming with %d: the data order changes",
                         latest, state.world_size, world)
-        if not uses_engine_state(accelerator):
-            scheduler.load_state_dict(state.scheduler)
+        scheduler.load_state_dict(state.scheduler)
         stream.position = DataPosition(state.epoch, state.batches)
         if accelerator.is_main_process:
             log.info("resumed from %s (step %d)", latest, state.step)
