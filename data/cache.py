@@ -82,8 +82,20 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def read_manifest(split_dir: Path) -> Optional[dict]:
+    """The split's manifest, None when there is none; a manifest cut off or not JSON is a
+    damaged cache, named (its shards cannot be trusted without it)."""
     path = Path(split_dir) / MANIFEST
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DamagedShardError(f"{path}: the cache manifest is damaged ({err}); remove {Path(split_dir)} "
+                                "and run `eyas capture` again") from None
+    if not isinstance(manifest, dict):
+        raise DamagedShardError(f"{path}: the cache manifest is not a JSON object; remove {Path(split_dir)} "
+                                "and run `eyas capture` again")
+    return manifest
 
 
 def write_manifest(split_dir: Path, manifest: dict) -> None:

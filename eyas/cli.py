@@ -50,6 +50,38 @@ def setup_logging(verbose: bool = False) -> None:
     )
 
 
+# Failures a user can act on, by the module that defines them: printed as one line.
+KNOWN_FAILURES = {
+    "eyas.data.conversations": ("NoUsableDataError",),
+    "eyas.data.cache": ("DamagedShardError",),
+    "eyas.data.capture": ("CaptureError",),
+    "eyas.data.targets": ("TargetLoadError",),
+    "eyas.data.regenerate_server": ("ServerError",),
+    "eyas.engine_process": ("EngineError",),
+    "eyas.heads.export": ("ExportFormatError",),
+    "eyas.heads.hub": ("PushError",),
+    "eyas.train.loop": ("TrainingStopped",),
+}
+
+
+def known_failure(err: BaseException) -> str | None:
+    """The one-line message for a failure a user can act on, or None (a bug: traceback)."""
+    import errno
+
+    for module, names in KNOWN_FAILURES.items():
+        mod = sys.modules.get(module)  # not imported: the error cannot be one of its classes
+        if mod is not None and isinstance(err, tuple(getattr(mod, n) for n in names)):
+            return str(err)
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return f"no space left on the device writing {err.filename or 'a file'}: free some space and run again " \
+               "(a checkpointed stage resumes where it stopped)"
+    if isinstance(err, RuntimeError) and "PytorchStreamWriter failed writing file" in str(err):
+        return "writing a checkpoint failed (is the disk full?): free some space and run again"
+    if isinstance(err, FileNotFoundError) and err.filename:
+        return f"{err.filename}: no such file or directory"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -74,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"eyas {args.stage}: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # known failures: one line naming the thing; -v shows the traceback
+        message = known_failure(err)
+        if message is None or args.verbose:
+            raise
+        print(f"eyas {args.stage}: {message}", file=sys.stderr)
+        return 1
     finally:
         release_run_dirs()
 

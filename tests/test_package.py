@@ -172,3 +172,37 @@ def test_a_second_writer_of_a_run_dir_is_refused_naming_the_first(tmp_path, caps
     # the lock goes with its process, however it ended; the next command gets past it
     assert main(["prepare", f"run_dir={run}", "data.sources=[nothing.jsonl]"]) != 3
     assert "in use" not in capsys.readouterr().err
+
+
+def test_known_failures_print_one_line_naming_the_thing(tmp_path, tiny_llama_dir, capsys):
+    import yaml
+
+    from train_run_fixtures import prepare_run
+
+    recipe = prepare_run(tmp_path, tiny_llama_dir, "offline", n=8, max_steps=1)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe.model_dump(mode="json")))
+    manifest = next(recipe.paths.cache.rglob("manifest.json"))
+    manifest.write_text(manifest.read_text()[:40])  # cut off, as by a full disk
+    capsys.readouterr()
+    assert main(["train", "--no-progress", "-r", str(path)]) == 1
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("eyas train: ") and str(manifest) in last, err[-2000:]
+    assert "eyas capture" in last
+    # -v: the traceback, for a bug report
+    from eyas.data.cache import DamagedShardError
+
+    with pytest.raises(DamagedShardError):
+        main(["-v", "train", "--no-progress", "-r", str(path)])
+
+
+def test_a_full_disk_is_said_in_words():
+    import errno
+
+    from eyas.cli import known_failure
+
+    assert "no space left" in known_failure(OSError(errno.ENOSPC, "No space left on device", "/run/ckpt/x"))
+    assert "disk full" in known_failure(RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos "
+                                                     "PytorchStreamWriter failed writing file data/0"))
+    assert known_failure(ValueError("a bug")) is None
