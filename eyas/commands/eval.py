@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from eyas.eval.speculate import HeadDrafter
     from eyas.eval.workloads import load_workload
 
-    recipe = load_recipe_from_args(args, writes="eval")
+    recipe = load_recipe_from_args(args)
     ev = recipe.eval
     pick = lambda value, default: default if value is None else value  # noqa: E731
     k = pick(args.k, ev.k)

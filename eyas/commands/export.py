@@ -59,7 +59,7 @@ def _check(head_dir: str, as_json: bool) -> int:
 def _paths(args):
     ckpt, out, fmt, verifier = args.checkpoint, args.out, args.format, args.verifier
     if args.recipe or not (ckpt and out):
-        recipe = load_recipe_from_args(args, writes="export")
+        recipe = load_recipe_from_args(args)
         ckpt = ckpt or str(recipe.paths.checkpoints / "final")
         out = out or str(recipe.paths.export)
         fmt = fmt or recipe.export.format
