@@ -9,7 +9,22 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import sys  # noqa: E402
+
 from tiny_targets import FAMILIES, save_tiny_target  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """A training run in this process leaves its mixed precision in accelerate's
+    process-wide state, which the next run with another precision may not change."""
+    yield
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState, PartialState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        PartialState._reset_state()
 
 
 @pytest.fixture(scope="session", params=FAMILIES)

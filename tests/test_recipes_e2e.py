@@ -23,18 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    """A recipe's bf16 mixed precision stays in accelerate's process-wide state; later
-    tests in this process build their own."""
-    yield
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    PartialState._reset_state()
-
-
 def _family(target: str):
     """(tiny architecture, tokenizer factory, stop tokens, what the tokenizer is) for a recipe's target."""
     name = target.lower()
