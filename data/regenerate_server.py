@@ -57,12 +57,15 @@ def _strip_end(ids: list[int], ends: set[int]) -> list[int]:
 
 
 def compare_reply_tokens(tokenizer, history: list[dict], reply: dict, server_prompt: Optional[list[int]],
-                         server_reply: Optional[list[int]], ends: set[int]) -> list[str]:
+                         server_reply: Optional[list[int]], ends: set[int],
+                         own_prompt: Optional[list[int]] = None) -> list[str]:
     """Mismatch reasons for one turn: `prompt_tokens_differ` (the server's chat template or
     tokenizer built another prompt than eyas's), `reply_tokens_differ` (the stored reply,
     re-rendered, tokenizes to other ids than the target generated), `reply_not_renderable`."""
     reasons = []
-    if server_prompt is not None and list(server_prompt) != prompt_ids(tokenizer, history):
+    if own_prompt is None and server_prompt is not None:
+        own_prompt = prompt_ids(tokenizer, history)
+    if server_prompt is not None and list(server_prompt) != own_prompt:
         reasons.append("prompt_tokens_differ")
     if server_reply is not None:
         try:
@@ -171,7 +174,8 @@ async def _regenerate_all(conversations: Sequence[list[dict]], todo: Sequence[in
                 if m["role"] != "assistant":
                     history.append({"role": m["role"], "content": m["content"]})
                     continue
-                if max_prompt_tokens is not None and len(prompt_ids(tokenizer, history)) > max_prompt_tokens:
+                own_prompt = prompt_ids(tokenizer, history)  # rendered once: the length cap and the token check
+                if max_prompt_tokens is not None and len(own_prompt) > max_prompt_tokens:
                     break
                 out = await client.chat(history)
                 msg = out["message"]
@@ -185,7 +189,7 @@ async def _regenerate_all(conversations: Sequence[list[dict]], todo: Sequence[in
                 if out["token_ids"] is not None or out["prompt_token_ids"] is not None:
                     checks["turns_compared"] = checks.get("turns_compared", 0) + 1
                     for reason in compare_reply_tokens(tokenizer, history, reply, out["prompt_token_ids"],
-                                                       out["token_ids"], ends):
+                                                       out["token_ids"], ends, own_prompt):
                         checks[reason] = checks.get(reason, 0) + 1
                 history.append(reply)
                 if "finish_reason" in reply:  # cut at max_new_tokens: a next turn would answer unfinished text

