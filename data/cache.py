@@ -5,6 +5,7 @@ Layout (one directory per split, e.g. `run_dir/cache/train/`):
   manifest.json           {"format": "eyas-feature-cache", "version": 1, "aux_layer_ids": [...],
                            "hidden_size": Ht, "aux_dtype": "bf16"|"fp8", "num_samples", "num_tokens",
                            "plan": sha256 of the shard plan, "complete": bool,
+                           "prepared_digest": the digest of the prepared data it was captured from,
                            "shards": [{"file", "sha256", "bytes", "num_samples", "num_tokens",
                                        "lengths": [...]}]}
   shard-00000.safetensors  per shard, all samples' tokens concatenated (N tokens, S samples):
@@ -42,6 +43,10 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 class DamagedShardError(RuntimeError):
     """A shard is missing or its checksum does not match the manifest."""
+
+
+class StaleCacheError(ValueError):
+    """The cache was captured from other prepared data than the run holds now."""
 
 
 def bytes_per_token(num_aux: int, hidden_size: int, aux_dtype: str = "bf16") -> int:
@@ -108,13 +113,26 @@ def resolve_split_dir(path: str | Path, split: str = "train") -> Path:
     return path if (path / MANIFEST).is_file() else path / split
 
 
-def verify_cache(path: str | Path, split: str = "train") -> list[str]:
-    """Check every shard against the manifest; returns one line per problem (empty: intact)."""
+def stale_cache_problem(split_dir: Path, cached_digest: Optional[str], prepared_digest: Optional[str]) -> Optional[str]:
+    """The line that says a cache was captured from other prepared data than the run's
+    prepared directory holds now, or None (they match, or one side predates digests)."""
+    if cached_digest is None or prepared_digest is None or cached_digest == prepared_digest:
+        return None
+    return (f"{split_dir}: captured from other prepared data than the run's prepared/ holds now (prepared "
+            f"again since?); rerun `eyas capture --overwrite` to capture the new data")
+
+
+def verify_cache(path: str | Path, split: str = "train", prepared_digest: Optional[str] = None) -> list[str]:
+    """Check every shard against the manifest, and (given `prepared_digest`, from
+    prepared/meta.json) that the cache is of that data; one line per problem (empty: intact)."""
     split_dir = resolve_split_dir(path, split)
     manifest = read_manifest(split_dir)
     if manifest is None:
         return [f"{split_dir / MANIFEST}: missing"]
     problems = []
+    stale = stale_cache_problem(split_dir, manifest.get("prepared_digest"), prepared_digest)
+    if stale:
+        problems.append(stale)
     if not manifest.get("complete"):
         problems.append(f"{split_dir}: capture incomplete ({len(manifest['shards'])} shards written)")
     for shard in manifest["shards"]:
@@ -147,6 +165,7 @@ class FeatureCache:
         self.aux_layer_ids: list[int] = list(manifest["aux_layer_ids"])
         self.hidden_size: int = manifest["hidden_size"]
         self.aux_dtype: str = manifest["aux_dtype"]
+        self.prepared_digest: Optional[str] = manifest.get("prepared_digest")
         self.lengths: list[int] = [n for s in manifest["shards"] for n in s["lengths"]]
         self._shard_start: list[int] = []
         start = 0

@@ -164,13 +164,16 @@ def capture_split(
     fail_after_shards: Optional[int] = None,
     progress: bool = True,
     fed_states=None,
+    prepared_digest: Optional[str] = None,
 ) -> dict:
     """Capture one prepared split (a `datasets.Dataset` with input_ids, loss_mask) into
     `out_dir`; resumes a partial capture of the same plan. Returns the final manifest.
 
     `fed_states`: a `FedStates` of the regeneration that made the split (whose
     `conversation` column names each sample's record); the samples it holds valid states
-    for are copied, not run (each shard's manifest entry counts them as copied_samples)."""
+    for are copied, not run (each shard's manifest entry counts them as copied_samples).
+    `prepared_digest`: the prepared directory's digest (meta.json), recorded in the
+    manifest so that the trainer refuses a cache of other prepared data."""
     from safetensors.torch import save
     from tqdm.auto import tqdm
 
@@ -188,6 +191,8 @@ def capture_split(
     plan = plan_capture(lengths, batch_tokens, shard_tokens)
     settings = {"aux_layer_ids": list(aux_layer_ids), "aux_dtype": aux_dtype, "hidden_size": hidden,
                 "target": target_name}
+    if prepared_digest is not None:  # (absent from caches written before digests)
+        settings["prepared_digest"] = prepared_digest
     fingerprint = plan.fingerprint(settings)
     manifest = read_manifest(out_dir)
     if manifest is not None and manifest.get("plan") != fingerprint:

@@ -7,7 +7,9 @@ Output directory (`run_dir/prepared`):
   token_freqs.safetensors  {"freqs": int64 [Vt]}: counts of each target id over the masked
                            tokens of the train split — read it with `load_token_frequencies`
   drop_report.json         rows read / kept / dropped per reason (reader and renderer)
-  meta.json                target, tokenizer vocabulary size, counts, settings
+  meta.json                target, tokenizer vocabulary size, counts, settings, and
+                           `digest` (sha256 of every split's tokens and masks): the capture
+                           records it and the trainer compare it (DESIGN §2, fingerprints)
   eval_prompts.jsonl       the eval split's conversations ({"id", "messages"} per line), an
                            `eyas eval --workload` of prompts from the training distribution
   regenerated.jsonl        (regeneration only) the target's replies; resumable
@@ -15,6 +17,7 @@ Output directory (`run_dir/prepared`):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -107,9 +110,7 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
     """
     import datasets
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer
-
-    from eyas.data.targets import load_target, resolve_target_path
+    from eyas.data.targets import load_target, load_tokenizer
 
     cfg = recipe.data
     out_dir = Path(out_dir or recipe.paths.prepared)
@@ -152,8 +153,8 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
                       state_layer_ids=layer_ids, target_name=recipe.target.name_or_path,
                       server=server_settings(rg, out_dir) if rg.backend == "server" else None,
                       token_checks=report.token_checks)
-        tokenizer = tokenizer or AutoTokenizer.from_pretrained(resolve_target_path(recipe.target.name_or_path),
-                                                               trust_remote_code=recipe.target.trust_remote_code)
+        tokenizer = tokenizer or load_tokenizer(recipe.target.name_or_path, recipe.target.revision,
+                                                recipe.target.trust_remote_code)
         conversations = regenerate(conversations, tokenizer, out_dir / "regenerated.jsonl", **kwargs)
         if report.token_checks:
             log.info("regenerated turns against the server's token ids: %s", dict(report.token_checks))
@@ -166,8 +167,7 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
         source_index = [i for i, c in enumerate(conversations) if any(m["role"] == "assistant" for m in c)]
         conversations = [conversations[i] for i in source_index]
     if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(recipe.target.name_or_path),
-                                                  trust_remote_code=recipe.target.trust_remote_code)
+        tokenizer = load_tokenizer(recipe.target.name_or_path, recipe.target.revision, recipe.target.trust_remote_code)
     ids, masks, kept = render_all(tokenizer, conversations, cfg.max_length, cfg.train_on, report, progress,
                                   truncate=cfg.over_length == "truncate")
     (out_dir / "drop_report.json").write_text(json.dumps(report.as_dict(), indent=1) + "\n")
@@ -197,7 +197,8 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
     vocab = max(len(tokenizer), max(max(r) for r in ids) + 1, _config_vocab_size(recipe))
     freqs = token_frequencies([ids[i] for i in train_idx], [masks[i] for i in train_idx], vocab)
     save_file({"freqs": freqs}, str(out_dir / "token_freqs.safetensors"))
-    meta = {"target": recipe.target.name_or_path, "tokenizer_vocab_size": vocab, "train": len(train_idx),
+    meta = {"digest": prepared_digest({"train": train_idx, "eval": eval_idx}, ids, masks),
+            "target": recipe.target.name_or_path, "tokenizer_vocab_size": vocab, "train": len(train_idx),
             "eval": len(eval_idx), "train_tokens": sum(len(ids[i]) for i in train_idx),
             "masked_train_tokens": int(freqs.sum()), "max_length": cfg.max_length, "train_on": cfg.train_on,
             "drop_report": report.as_dict()}
@@ -236,6 +237,33 @@ def _config_vocab_size(recipe) -> int:
         return int(text_config(cfg).vocab_size)
     except Exception:  # no config reachable (tokenizer-only tests): the tokenizer decides
         return 0
+
+
+def prepared_digest(splits: dict[str, list[int]], ids: list[list[int]], masks: list[list[int]]) -> str:
+    """sha256 of what a prepared directory holds for training: each split's rows, in order,
+    as token ids and loss masks. Two prepares of other data never share it."""
+    import numpy as np
+
+    h = hashlib.sha256()
+    for name in sorted(splits):
+        h.update(f"split {name} {len(splits[name])}\n".encode())
+        for i in splits[name]:
+            h.update(np.asarray(ids[i], dtype=np.int64).tobytes())
+            h.update(np.asarray(masks[i], dtype=np.uint8).tobytes())
+            h.update(len(ids[i]).to_bytes(8, "little"))
+    return h.hexdigest()
+
+
+def read_prepared_digest(path: str | Path) -> Optional[str]:
+    """The digest in a prepared directory's meta.json (None: no meta.json, or written
+    before digests were recorded)."""
+    meta = Path(path) / "meta.json"
+    if not meta.is_file():
+        return None
+    try:
+        return json.loads(meta.read_text()).get("digest")
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise NoUsableDataError(f"{meta}: damaged ({err}); rerun `eyas prepare`") from None
 
 
 def load_prepared(path: str | Path):

@@ -5,7 +5,8 @@ auxiliary hidden states of data.aux_layer_ids (default (2, L//2, L-3)) and the l
 hidden state before the final norm into run_dir/cache/<split>/ as checksummed
 safetensors shards with a manifest. Before starting it prints the disk it needs and
 refuses when the disk cannot hold it. A killed capture resumes where it stopped when
-rerun with the same recipe. data.cache_dtype=fp8 halves the aux part of the cache.
+rerun with the same recipe; a cache of other prepared data (`eyas prepare` run again) is refused
+until rerun with --overwrite, and the trainer refuses it too. data.cache_dtype=fp8 halves the aux part of the cache.
 When prepare kept the regeneration's states (data.regenerate.keep_states), the samples
 whose tokens match are copied from run_dir/prepared/fed_states instead of run, and that
 directory is removed once every split is captured.
@@ -41,7 +42,10 @@ def run(args: argparse.Namespace) -> int:
     cache = recipe.paths.cache
     splits = [s for s in args.splits.split(",") if s]
     if args.verify:
-        problems = [p for s in splits for p in verify_cache(cache, s)]
+        from eyas.data.prepare import read_prepared_digest
+
+        digest = read_prepared_digest(recipe.paths.prepared)
+        problems = [p for s in splits for p in verify_cache(cache, s, digest)]
         for p in problems:
             print(p)
         print(f"{cache}: {'DAMAGED' if problems else 'ok'}")
@@ -49,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     from eyas.data.capture import CaptureError, capture_split
     from eyas.data.fed_states import FED_STATES_DIR, FedStates, fed_state_layer_ids
-    from eyas.data.prepare import load_prepared
+    from eyas.data.prepare import load_prepared, read_prepared_digest
     from eyas.data.targets import default_aux_layer_ids, load_target
 
     if recipe.data.features == "online":
@@ -81,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
                 shutil.rmtree(cache / s, ignore_errors=True)
             m = capture_split(target.model, dd[s], cache / s, aux_ids, recipe.data.cache_dtype,
                               recipe.data.capture_batch_tokens, recipe.data.shard_tokens, pad, t.name_or_path,
-                              progress=not args.no_progress, fed_states=fed)
+                              progress=not args.no_progress, fed_states=fed,
+                              prepared_digest=read_prepared_digest(prepared))
             copied = sum(sh.get("copied_samples", 0) for sh in m["shards"])
             print(f"{cache / s}: {m['num_samples']} samples ({copied} copied from regeneration), "
                   f"{m['num_tokens']} tokens, {len(m['shards'])} shards")
