@@ -21,9 +21,12 @@ from eyas.precision import resolve_mixed_precision
 from eyas.train.algorithms import loss_function
 from eyas.train.batching import BatchStream, DataPosition, offline_stream, online_stream
 from eyas.train.build import FrozenOutput, HeadWithLoss, build_trainable_head, frozen_output, head_config_for
-from eyas.train.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint, uses_engine_state
+from eyas.data.prepare import read_prepared_digest
+from eyas.train.checkpoint import (TrainerState, latest_checkpoint, load_checkpoint, read_trainer_state,
+                                   save_checkpoint, uses_engine_state)
 from eyas.train.fastpath import draft_first_lm_head, valid_row_labels
 from eyas.train.metrics import AccuracyMeter, make_logger
+from eyas.train.run_settings import RerunRefused, changed_settings, training_settings
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +97,15 @@ def _open_data(recipe, head_cfg, split: str):
     """The sample source of a split: the feature cache (offline) or the prepared dataset."""
     paths = recipe.paths
     if recipe.data.features == "offline":
-        from eyas.data.cache import FeatureCache, resolve_split_dir
+        from eyas.data.cache import FeatureCache, StaleCacheError, resolve_split_dir, stale_cache_problem
 
         split_dir = resolve_split_dir(paths.cache, split)
         if split != "train" and not (split_dir / "manifest.json").is_file():
             return None
         cache = FeatureCache(paths.cache, split)
+        stale = stale_cache_problem(cache.dir, cache.prepared_digest, read_prepared_digest(paths.prepared))
+        if stale:
+            raise StaleCacheError(stale)
         if cache.aux_layer_ids != list(head_cfg.aux_layer_ids) or cache.hidden_size != head_cfg.target_hidden_size:
             raise ValueError(f"{cache.dir}: cached aux layers {cache.aux_layer_ids} / hidden {cache.hidden_size} do "
                              f"not match the head's {head_cfg.aux_layer_ids} / {head_cfg.target_hidden_size}; "
@@ -164,10 +170,15 @@ def _fill_deepspeed_config(accelerator, cfg) -> None:
     ds["gradient_accumulation_steps"] = cfg.grad_accum
 
 
-def train(recipe, target=None, progress: bool = True) -> dict:
+def train(recipe, target=None, progress: bool = True, restart: bool = False, accept_changes: bool = False) -> dict:
     """Train the head a recipe describes; resumes from the newest checkpoint under
     `run_dir/checkpoints` (unless train.resume is false). Returns a summary dict with the
-    final step, the final head directory and the last train/eval metrics.
+    final step, the final head directory and the last train/eval metrics
+    (`already_finished`: the run had ended under these settings; nothing was done).
+
+    A rerun under other settings than the checkpoints' is refused (`RerunRefused`, naming
+    the keys) unless `accept_changes` (continue under the new ones) or `restart` (delete
+    the run's checkpoints, head and metrics, and start anew); see train/run_settings.py.
 
     `target`: an already loaded `eyas.data.targets.Target` (tests, notebooks); otherwise
     loaded from `recipe.target` on this process's device.
@@ -205,9 +216,37 @@ def train(recipe, target=None, progress: bool = True) -> dict:
     if accelerator.is_main_process:
         log.info("training on %d process(es), %s, device %s, mixed precision %s", world,
                  accelerator.distributed_type.name, device, accelerator.mixed_precision)
-    if accelerator.is_main_process:
-        paths.root.mkdir(parents=True, exist_ok=True)
-        (paths.root / "recipe.yaml").write_text(dump_recipe(recipe))
+    settings = training_settings(recipe, read_prepared_digest(paths.prepared))
+    if restart and accelerator.is_main_process:
+        clear_run(paths)
+    accelerator.wait_for_everyone()
+    # Decided before the target loads (minutes for a large one): a finished run is left as
+    # it is, a changed one refused, before anything is written.
+    latest = latest_checkpoint(ckpt_root)
+    if latest is not None and not cfg.resume:
+        raise RerunRefused(f"{ckpt_root} holds checkpoints of an earlier run and train.resume is false: pass "
+                           "--restart to delete them and start anew, or set run_dir to a new directory")
+    saved = read_trainer_state(latest) if latest is not None else None
+    finished = saved is not None and saved.total_steps > 0 and saved.step >= saved.total_steps \
+        and (ckpt_root / "final").is_dir()
+    changes = changed_settings(saved.settings, settings) if saved is not None and saved.settings else []
+    if saved is not None and not saved.settings:
+        log.warning("%s predates recorded settings: resuming without checking the recipe against it", latest)
+    if changes and not accept_changes:
+        listed = "; ".join(changes)
+        if finished:
+            raise RerunRefused(f"{paths.root} finished training ({saved.step} steps) under other settings than "
+                               f"this recipe's ({listed}); nothing was changed. Pass --restart to train anew in "
+                               "this run dir (its checkpoints and head are deleted), or set run_dir to a new one")
+        raise RerunRefused(f"{latest} was trained under other settings than this recipe's ({listed}). Rerun with "
+                           "the recipe it was trained with, pass --accept-changes to continue from step "
+                           f"{saved.step} under the new ones, or --restart to train anew")
+    if finished and not changes:
+        if accelerator.is_main_process:
+            log.info("%s finished training at step %d; nothing to do", paths.root, saved.step)
+        return {"is_main_process": accelerator.is_main_process, "step": saved.step,
+                "total_steps": saved.total_steps, "final_dir": str(ckpt_root / "final"), "train": {}, "eval": {},
+                "nonfinite_steps": saved.nonfinite_total, "already_finished": True}
 
     torch.manual_seed(cfg.seed)
     if target is None:
@@ -248,10 +287,19 @@ def train(recipe, target=None, progress: bool = True) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     generator = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + rank)
 
-    state = TrainerState(world_size=world)
-    latest = latest_checkpoint(ckpt_root) if cfg.resume else None
+    state = TrainerState(world_size=world, total_steps=total, settings=settings)
     if latest is not None:
+        if finished and total <= saved.step:
+            raise RerunRefused(f"{paths.root} finished training at step {saved.step}; under the changed settings "
+                               f"it would train {total} steps in all, so nothing is left to train. Raise "
+                               "train.max_steps or train.epochs to train on, or pass --restart to train anew")
         state = load_checkpoint(latest, accelerator, model, optimizer, generator)
+        if changes:
+            state.changes.append({"step": state.step, "changes": changes})
+            if accelerator.is_main_process:
+                log.warning("continuing %s from step %d under changed settings: %s", paths.root, state.step,
+                            "; ".join(changes))
+        state.total_steps, state.settings = total, settings
         if state.world_size != world:
             log.warning("%s was written by %d processes, resuming with %d: the data order changes",
                         latest, state.world_size, world)
@@ -260,6 +308,9 @@ def train(recipe, target=None, progress: bool = True) -> dict:
         if accelerator.is_main_process:
             log.info("resumed from %s (step %d)", latest, state.step)
 
+    if accelerator.is_main_process:  # what this run is trained under, from now on
+        paths.root.mkdir(parents=True, exist_ok=True)
+        (paths.root / "recipe.yaml").write_text(dump_recipe(recipe))
     logger = make_logger(cfg.logger, paths.root, recipe.name, recipe.model_dump(mode="json")) \
         if accelerator.is_main_process else make_logger("none", paths.root)
 
@@ -356,5 +407,17 @@ def train(recipe, target=None, progress: bool = True) -> dict:
     finally:
         bar.close()
         logger.close()
-    return {"is_main_process": accelerator.is_main_process, "step": state.step, "total_steps": total, "final_dir": str(ckpt_root / "final"), "train": last_train,
-            "eval": last_eval, "nonfinite_steps": state.nonfinite_total}
+    return {"is_main_process": accelerator.is_main_process, "step": state.step, "total_steps": total,
+            "final_dir": str(ckpt_root / "final"), "train": last_train, "eval": last_eval,
+            "nonfinite_steps": state.nonfinite_total, "settings_changes": state.changes}
+
+
+def clear_run(paths) -> None:
+    """`--restart`: remove what an earlier run trained (checkpoints, the final head, its
+    metrics and recipe); the prepared data and the cache stay."""
+    import shutil
+
+    shutil.rmtree(paths.checkpoints, ignore_errors=True)
+    for name in ("metrics.jsonl", "recipe.yaml"):
+        (paths.root / name).unlink(missing_ok=True)
+    log.info("--restart: removed the checkpoints, head and metrics of the earlier run in %s", paths.root)

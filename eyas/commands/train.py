@@ -5,10 +5,15 @@ data.features=offline, run_dir/cache from `eyas capture`. Writes run_dir/recipe.
 metrics (run_dir/metrics.jsonl, tensorboard/ or wandb/), checkpoints every
 train.save_every steps under run_dir/checkpoints/step-N (full state; a rerun resumes from
 the newest) and the trained head in run_dir/checkpoints/final (read by `eyas export`).
+A rerun of a finished run does nothing; a rerun whose recipe changed what the head is
+trained under (head, train hyperparameters, features, the prepared data) is refused,
+naming the keys, unless --accept-changes or --restart says otherwise.
 
 examples:
   eyas train -r recipes/smollm2-135m-eagle3.yaml
   eyas train -r R train.max_steps=200 train.logger=tensorboard
+  eyas train -r R train.max_steps=400 --accept-changes   # train a finished run on to step 400
+  eyas train -r R train.learning_rate=3e-4 --restart     # the same run dir, trained anew
   accelerate launch --config_file recipes/accelerate/ddp.yaml -m eyas.train -r R
 """
 
@@ -26,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_recipe_arguments(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    parser.add_argument("--restart", action="store_true",
+                        help="delete this run dir's checkpoints, head and metrics and train anew (the prepared "
+                             "data and the cache stay)")
+    parser.add_argument("--accept-changes", action="store_true",
+                        help="resume a run whose recipe changed since its last checkpoint; the new settings "
+                             "apply from that step on (without it such a rerun is refused, naming the keys)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     recipe = load_recipe_from_args(args, writes="train")
     try:
-        summary = train(recipe, progress=not args.no_progress)
+        summary = train(recipe, progress=not args.no_progress, restart=args.restart,
+                        accept_changes=args.accept_changes)
     except TrainingStopped as err:
         print(f"eyas train: {err}", file=sys.stderr)
         return 1
@@ -45,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.json:
         print(json.dumps(summary))
+    elif summary.get("already_finished"):
+        print(f"eyas train: {recipe.paths.root} finished training at step {summary['step']}; nothing to do "
+              f"(head in {summary['final_dir']}; --restart trains anew)")
     else:
         ev = summary["eval"]
         extra = f", eval acceptance length {ev['eval/accept_len']:.2f}" if "eval/accept_len" in ev else ""
