@@ -1,5 +1,7 @@
 """Batching, schedule, metrics and the algorithm registry."""
 
+import os
+
 import pytest
 import torch
 
@@ -133,3 +135,52 @@ def test_a_draft_vocabulary_above_the_targets_is_named_not_silently_clamped(tiny
     caplog.clear()
     assert head_config_for(recipe_from_dict({"head": {"draft_vocab_size": vocab // 2}}), target_config).uses_vocab_map
     assert "above the target's vocabulary" not in caplog.text
+
+
+class _Payload:
+    """Unpickled without weights_only, it would run a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_engine_checkpoints_load_without_unpickling(tmp_path):
+    """Resuming under DeepSpeed goes through its checkpoint engine, which asks torch.load for
+    weights_only=False: eyas loads those files with weights_only=True all the same."""
+    import types
+
+    from eyas.train.checkpoint import TrainerState, UnsafeCheckpointError, load_checkpoint
+
+    ckpt = tmp_path / "step-00000002"
+    (ckpt / "accelerate").mkdir(parents=True)
+    (ckpt / "state.json").write_text(TrainerState(step=2).to_json())
+    marker = tmp_path / "ran"
+    torch.save({"optimizer": _Payload(marker)}, ckpt / "accelerate" / "evil.pt")
+    torch.save({"zero_stage": 2, "state": {"exp_avg": torch.ones(3)}}, ckpt / "accelerate" / "plain.pt")
+    loaded = {}
+
+    def load_state(path):  # what DeepSpeed's TorchCheckpointEngine.load does
+        for name in sorted(os.listdir(path)):
+            loaded[name] = torch.load(os.path.join(path, name), map_location="cpu", weights_only=False)
+
+    accelerator = types.SimpleNamespace(distributed_type=types.SimpleNamespace(name="DEEPSPEED"),
+                                        load_state=load_state, process_index=0)
+    with pytest.raises(UnsafeCheckpointError, match=r"evil\.pt: holds the type posix\.system"):
+        load_checkpoint(ckpt, accelerator, None, None)
+    assert not marker.exists()
+    (ckpt / "accelerate" / "evil.pt").unlink()
+    assert load_checkpoint(ckpt, accelerator, None, None).step == 2
+    assert torch.equal(loaded["plain.pt"]["state"]["exp_avg"], torch.ones(3))
+    assert torch.load is torch.serialization.load  # put back
+
+
+def test_deepspeed_checkpoint_types_are_importable():
+    """The names allowed for DeepSpeed's files exist in the installed DeepSpeed (a rename
+    would make every ZeRO resume fail)."""
+    pytest.importorskip("deepspeed")
+    from eyas.train.checkpoint import DEEPSPEED_CHECKPOINT_TYPES, _allowed_engine_types
+
+    assert len(_allowed_engine_types()) == len(DEEPSPEED_CHECKPOINT_TYPES)

@@ -12,14 +12,17 @@ Layout of `run_dir/checkpoints/`:
 
 A checkpoint is written into `.tmp-step-N` and renamed when complete, so a kill at any
 moment leaves the previous checkpoint usable; a `.tmp-*` left by a kill is removed on the
-next save. Nothing here is unpickled: optimizer state loads with `weights_only=True`.
+next save. Nothing here is unpickled: optimizer state loads with `weights_only=True`, and
+so do DeepSpeed's own files (`weights_only_loads`: its checkpoint engine would unpickle).
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +46,9 @@ class TrainerState:
     nonfinite_run: int = 0
     scheduler: dict = field(default_factory=dict)
     world_size: int = 1
+    total_steps: int = 0  # the run's length when this was saved (0: written before it was kept)
+    settings: dict = field(default_factory=dict)  # train/run_settings.py: what the weights were trained under
+    changes: list = field(default_factory=list)  # [{"step", "changes"}]: settings changed on a resume
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=1)
@@ -50,6 +56,11 @@ class TrainerState:
     @classmethod
     def from_json(cls, text: str) -> "TrainerState":
         return cls(**json.loads(text))
+
+
+def read_trainer_state(path: str | Path) -> TrainerState:
+    """The state.json of checkpoint `path`, without loading any tensor."""
+    return TrainerState.from_json((Path(path) / STATE_NAME).read_text())
 
 
 def step_dir_name(step: int) -> str:
@@ -91,6 +102,59 @@ def restore_rng(state: dict[str, torch.Tensor], generator: torch.Generator | Non
         torch.cuda.set_rng_state_all(cuda)
     if generator is not None and "loss_generator" in state:
         generator.set_state(state["loss_generator"])
+
+
+class UnsafeCheckpointError(RuntimeError):
+    """An engine checkpoint file holds a type eyas does not unpickle."""
+
+
+# Types DeepSpeed writes into its ZeRO checkpoint files besides tensors and builtins: data
+# holders (an enum, a named tuple, the loss scalers' counters) that load with
+# weights_only=True once allowed by name.
+DEEPSPEED_CHECKPOINT_TYPES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+def _allowed_engine_types() -> list:
+    import importlib
+
+    found = []
+    for name in DEEPSPEED_CHECKPOINT_TYPES:
+        module, _, attr = name.rpartition(".")
+        try:
+            found.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError):  # not installed, or another DeepSpeed version
+            pass
+    return found
+
+
+@contextmanager
+def weights_only_loads():
+    """Every `torch.load` inside reads with weights_only=True: DeepSpeed's checkpoint
+    engine asks for weights_only=False (full unpickling) on its own files."""
+    original = torch.load
+    allowed = _allowed_engine_types()
+
+    def load(f, map_location=None, **kwargs):
+        kwargs["weights_only"] = True
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return original(f, map_location=map_location, **kwargs)
+        except pickle.UnpicklingError as err:
+            named = re.search(r"GLOBAL ([\w.]+)", str(err))
+            what = f"the type {named.group(1)}" if named else "a type"
+            raise UnsafeCheckpointError(f"{f}: holds {what}, which eyas does not unpickle; nothing was loaded. "
+                                        "Resume from a checkpoint eyas wrote, or pass --restart") from None
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = original
 
 
 def uses_engine_state(accelerator) -> bool:
@@ -135,11 +199,12 @@ def load_checkpoint(path: str | Path, accelerator, model, optimizer,
                     generator: torch.Generator | None = None) -> TrainerState:
     """Restore a checkpoint written by `save_checkpoint` into the prepared objects."""
     path = Path(path)
-    state = TrainerState.from_json((path / STATE_NAME).read_text())
+    state = read_trainer_state(path)
     if uses_engine_state(accelerator):
         if not (path / "accelerate").is_dir():
             raise ValueError(f"{path}: written without DeepSpeed/FSDP; resume it with the same launcher config")
-        accelerator.load_state(str(path / "accelerate"))
+        with weights_only_loads():
+            accelerator.load_state(str(path / "accelerate"))
     else:
         if not (path / "model.safetensors").is_file():
             raise ValueError(f"{path}: a DeepSpeed/FSDP checkpoint; resume it with the same launcher config")
