@@ -288,7 +288,14 @@ def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
     if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         ds = datasets.load_from_disk(str(path))
     else:
-        ds = datasets.load_dataset(str(path) if path.is_dir() else source)
+        try:
+            ds = datasets.load_dataset(str(path) if path.is_dir() else source)
+        except (ConnectionError, OSError) as err:
+            # Offline or unreachable Hub: one line that says what to do, not a retry traceback.
+            first = next((x.strip() for x in str(err).splitlines() if x.strip()), type(err).__name__)
+            raise NoUsableDataError(f"data source {source!r}: cannot load it as a Hugging Face dataset ({first}). "
+                                    f"Download it where the Hub is reachable, or point data.sources at a local "
+                                    f".json/.jsonl file or dataset directory") from None
     if isinstance(ds, datasets.DatasetDict):
         ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
     yield from ds

@@ -129,6 +129,39 @@ def resolve_target_path(name_or_path: str) -> str:
     return name_or_path
 
 
+def _check_target_exists(name_or_path: str, path: str) -> None:
+    """A name that is neither a local path nor `org/name` is a missing directory, said so
+    before anything asks the Hub for it."""
+    from eyas.hub_ids import looks_like_hub_id
+
+    if not Path(path).exists() and not looks_like_hub_id(name_or_path):
+        raise TargetLoadError(f"target {name_or_path!r}: no such directory (a Hub model is named org/name; the "
+                              f"shipped one is {SMOLLM2_ALIAS!r})")
+
+
+def _unloadable(name_or_path: str, what: str, err: Exception) -> str:
+    """One line for a target part that would not load; offline, what to do about it."""
+    lines = [x.strip() for x in str(err).splitlines() if x.strip()]
+    first = lines[0] if lines else type(err).__name__
+    if not Path(name_or_path).exists() and ("connect" in str(err) or "offline" in str(err).lower()):
+        return (f"target {name_or_path!r}: its {what} is not in the local Hugging Face cache and the Hub cannot be "
+                f"reached ({first}). Download it where the Hub is reachable (`hf download "
+                f"{name_or_path}`) or set target.name_or_path to a local directory")
+    return f"target {name_or_path!r}: cannot load its {what}: {first}"
+
+
+def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False):
+    """The target's tokenizer alone (what prepare needs without regeneration)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_target_path(name_or_path)
+    _check_target_exists(name_or_path, path)
+    try:
+        return AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise TargetLoadError(_unloadable(name_or_path, "tokenizer", err)) from None
+
+
 @dataclass
 class Target:
     """A frozen target and its tokenizer. `hub_id` is what a serving config should name."""
@@ -181,25 +214,27 @@ def load_target(
     (bf16 where `device` runs it natively, else float32), `bfloat16`, `float16`, `float32`.
     Returns a `Target` whose model is in eval mode with requires_grad False everywhere.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve_target_path(name_or_path)
-    if os.path.sep in name_or_path and not Path(path).exists():
-        raise TargetLoadError(f"target directory not found: {path}")
+    _check_target_exists(name_or_path, path)
     dev = resolve_device(device)
     try:
         config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
     except OSError as err:
-        raise TargetLoadError(f"cannot load the target config from {path!r}: {err}") from None
+        raise TargetLoadError(_unloadable(name_or_path, "config", err)) from None
     attn = attention_implementation(config, attn_implementation)
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=_DTYPES[resolve_dtype(dtype, dev)],
-        attn_implementation=attn,
-        revision=revision,
-        trust_remote_code=trust_remote_code,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=_DTYPES[resolve_dtype(dtype, dev)],
+            attn_implementation=attn,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+        )
+    except OSError as err:
+        raise TargetLoadError(_unloadable(name_or_path, "weights", err)) from None
+    tokenizer = load_tokenizer(name_or_path, revision, trust_remote_code)
     model.to(dev)
     if dev.type == "cpu":
         prefer_gqa_sdpa_on_cpu()

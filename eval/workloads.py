@@ -22,6 +22,10 @@ _PROMPT_KEYS = ("prompt", "question", "instruction", "input", "text", "query")
 _USER_ROLES = {"user", "human"}
 
 
+class WorkloadError(ValueError):
+    """A workload that cannot be read: no such file or alias, bad JSON, no prompt in it."""
+
+
 @dataclass
 class WorkloadPrompt:
     id: str
@@ -71,21 +75,30 @@ def prompt_from_row(row: Any, index: int) -> Optional[WorkloadPrompt]:
 
 
 def _raw_rows(source: str):
+    from eyas.data.conversations import DropReport, iter_raw_rows, looks_like_hub_id
+
     path = mtbench_path() if source == MTBENCH_ALIAS else Path(source)
     if path.is_file():
-        text = path.read_text(encoding="utf-8")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise WorkloadError(f"{path}: not UTF-8 text ({err})") from None
         if text.lstrip().startswith("["):
-            yield from json.loads(text)
+            try:
+                yield from json.loads(text)
+            except json.JSONDecodeError as err:
+                raise WorkloadError(f"{path}: not a valid JSON array: {err}") from None
             return
         for lineno, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
                     yield json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON: {err}") from None
+                    raise WorkloadError(f"{path}:{lineno}: not valid JSON: {err}") from None
         return
-    from eyas.data.conversations import DropReport, iter_raw_rows
-
+    if not path.exists() and not looks_like_hub_id(source):
+        raise WorkloadError(f"workload {source!r}: no such file or directory (the shipped workload is "
+                            f"{MTBENCH_ALIAS!r}; a Hub dataset is named org/name)")
     yield from iter_raw_rows(source, DropReport())
 
 
@@ -103,7 +116,8 @@ def load_workload(source: str, max_prompts: Optional[int] = None) -> list[Worklo
     """Prompts of `source` (`mtbench`, a .json/.jsonl file, a dataset dir or name)."""
     prompts = [p for i, row in enumerate(_raw_rows(source)) if (p := prompt_from_row(row, i)) is not None]
     if not prompts:
-        raise ValueError(f"workload {source!r}: no row with a prompt (expected 'turns', 'prompt', 'messages', ...)")
+        raise WorkloadError(f"workload {source!r}: no row with a prompt (expected 'turns', 'prompt', 'messages', "
+                            "...)")
     return subsample(prompts, max_prompts)
 
 

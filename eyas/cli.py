@@ -53,14 +53,17 @@ def setup_logging(verbose: bool = False) -> None:
 # Failures a user can act on, by the module that defines them: printed as one line.
 KNOWN_FAILURES = {
     "eyas.data.conversations": ("NoUsableDataError",),
-    "eyas.data.cache": ("DamagedShardError",),
+    "eyas.data.cache": ("DamagedShardError", "StaleCacheError"),
     "eyas.data.capture": ("CaptureError",),
     "eyas.data.targets": ("TargetLoadError",),
     "eyas.data.regenerate_server": ("ServerError",),
     "eyas.engine_process": ("EngineError",),
+    "eyas.eval.workloads": ("WorkloadError",),
     "eyas.heads.export": ("ExportFormatError",),
     "eyas.heads.hub": ("PushError",),
     "eyas.train.loop": ("TrainingStopped",),
+    "eyas.train.checkpoint": ("UnsafeCheckpointError",),
+    "eyas.train.run_settings": ("RerunRefused",),
 }
 
 
@@ -77,6 +80,11 @@ def known_failure(err: BaseException) -> str | None:
                "(a checkpointed stage resumes where it stopped)"
     if isinstance(err, RuntimeError) and "PytorchStreamWriter failed writing file" in str(err):
         return "writing a checkpoint failed (is the disk full?): free some space and run again"
+    hub_errors = sys.modules.get("huggingface_hub.errors")
+    if hub_errors is not None and isinstance(err, (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled)):
+        first = next((x.strip() for x in str(err).splitlines() if x.strip()), type(err).__name__)
+        return (f"the Hugging Face Hub cannot be reached and what it was asked for is not in the local cache "
+                f"({first}): download it where the Hub is reachable, or name a local directory")
     if isinstance(err, FileNotFoundError) and err.filename:
         return f"{err.filename}: no such file or directory"
     return None

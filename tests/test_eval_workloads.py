@@ -59,6 +59,35 @@ def test_jsonl_workload_shapes_and_errors(tmp_path, tiny_tokenizer):
     assert subsample(list(range(10)), 3) == [0, 3, 6]
 
 
+@pytest.mark.parametrize("case", ["empty", "misspelt", "relative", "bad_array", "no_head"])
+def test_eval_names_a_bad_workload_or_head_before_loading_the_target(case, tmp_path, monkeypatch, capsys):
+    import eyas.data.targets as targets
+
+    def no_target(*a, **k):
+        raise AssertionError("the target was loaded before the workload was read")
+
+    monkeypatch.setattr(targets, "load_target", no_target)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "array.json").write_text('[{"prompt": "a"}, {oops')
+    args, named = {
+        "empty": (["--workload", "empty.jsonl"], "'empty.jsonl': no row with a prompt"),
+        "misspelt": (["--workload", "mtbnech"], "'mtbnech': no such file or directory (the shipped workload is "
+                                                "'mtbench'"),
+        "relative": (["--workload", "data/held_out.jsonl"], "'data/held_out.jsonl': no such file"),
+        "bad_array": (["--workload", "array.json"], "array.json: not a valid JSON array"),
+        "no_head": (["--head", "runs/x/export"], "runs/x/export: no such head directory"),
+    }[case]
+    if case == "no_head":  # said by SystemExit, as the command's other argument errors
+        with pytest.raises(SystemExit, match=named):
+            main(["eval", "--baseline", "ngram", *args])
+        return
+    assert main(["eval", "--baseline", "ngram", *args]) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert captured.err.strip().splitlines()[-1].startswith("eyas eval: ") and named in captured.err
+
+
 def test_summary_counts_conditional_acceptance():
     # K=3: step 1 accepts 2 of 3, step 2 accepts 0 of 3, step 3 proposes 1 and accepts it
     tr = DecodeTrace(tokens=[1] * 7, seconds=1.0, forwards=4, drafted=[3, 3, 1], accepted=[2, 0, 1])

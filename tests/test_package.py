@@ -1,6 +1,7 @@
 """The package foundation: CLI, recipes, the import direction of DESIGN §1."""
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -206,3 +207,36 @@ def test_a_full_disk_is_said_in_words():
     assert "disk full" in known_failure(RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos "
                                                      "PytorchStreamWriter failed writing file data/0"))
     assert known_failure(ValueError("a bug")) is None
+
+
+def test_an_unreachable_hub_is_said_in_words():
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    from eyas.cli import known_failure
+
+    for err in (OfflineModeIsEnabled("Cannot reach https://huggingface.co/api/models/o/n: offline mode is enabled."),
+                LocalEntryNotFoundError("Cannot find the requested files in the disk cache")):
+        line = known_failure(err)
+        assert "Hub cannot be reached" in line and str(err).splitlines()[0] in line and "local directory" in line
+
+
+def test_offline_hub_names_are_one_line_saying_what_to_do(tmp_path, tiny_llama_dir, capsys):
+    """The tests run offline: a Hub target or dataset not in the local cache is said in one
+    line (what is missing, how to get it), never a retry traceback."""
+    convs = tmp_path / "c.jsonl"
+    convs.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "hello"}]}) + "\n")
+    cases = [
+        ([f"data.sources=[{convs}]", "target.name_or_path=someorg/not-cached-model"],
+         ["target 'someorg/not-cached-model'", "not in the local Hugging Face cache", "hf download"]),
+        (["data.sources=[someorg/not-cached-data]", f"target.name_or_path={tiny_llama_dir}"],
+         ["data source 'someorg/not-cached-data'", "cannot load it as a Hugging Face dataset", "local"]),
+    ]
+    for overrides, said in cases:
+        capsys.readouterr()
+        assert main(["prepare", "--no-progress", f"run_dir={tmp_path / 'run'}", *overrides]) == 1
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]
+        assert "Traceback" not in err and last.startswith("eyas prepare: "), err[-2000:]
+        assert all(s in last for s in said), last
+    assert not (tmp_path / "run" / "prepared" / "meta.json").exists()

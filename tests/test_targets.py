@@ -89,8 +89,9 @@ def test_cpu_targets_attend_with_grouped_kv_under_a_padding_mask(tiny_llama_dir,
 
 
 def test_missing_local_target_is_a_clear_error(tmp_path):
-    with pytest.raises(TargetLoadError, match="not found"):
-        load_target(str(tmp_path / "nope"), device="cpu")
+    for name in (str(tmp_path / "nope"), "nope", "./models/nope"):
+        with pytest.raises(TargetLoadError, match=f"target {name!r}: no such directory"):
+            load_target(name, device="cpu")
 
 
 @pytest.mark.slow

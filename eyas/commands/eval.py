@@ -92,6 +92,11 @@ def run(args: argparse.Namespace) -> int:
         head_dir = str(recipe.paths.export)
     if head_dir is None and baseline == "none":
         raise SystemExit("eyas eval: nothing to evaluate: pass --head DIR or --baseline ngram")
+    if head_dir is not None and not Path(head_dir).is_dir():  # Hub heads come with the published-heads work
+        raise SystemExit(f"eyas eval: {head_dir}: no such head directory (an `eyas export` output or "
+                         "run_dir/checkpoints/final)")
+    workload = pick(args.workload, ev.workload)
+    prompts = load_workload(workload, pick(args.max_prompts, ev.max_prompts))  # before the target: fails fast
     t = recipe.target
     target = load_target(pick(args.target, t.name_or_path), dtype=pick(args.dtype, ev.dtype or t.dtype), device=t.device,
                          attn_implementation=t.attn_implementation, trust_remote_code=t.trust_remote_code,
@@ -101,8 +106,6 @@ def run(args: argparse.Namespace) -> int:
         drafters["head"] = HeadDrafter(load_eval_head(head_dir, target))
     if baseline == "ngram":
         drafters["ngram"] = NgramDrafter(pick(args.ngram_min, ev.ngram_min), pick(args.ngram_max, ev.ngram_max))
-    workload = pick(args.workload, ev.workload)
-    prompts = load_workload(workload, pick(args.max_prompts, ev.max_prompts))
     temperature = pick(args.temperature, ev.temperature)
     max_new = pick(args.max_new_tokens, ev.max_new_tokens)
     body = run_eval(target.model, target.tokenizer, prompts, drafters, k, max_new, temperature,
