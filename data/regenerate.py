@@ -90,6 +90,14 @@ class RecordWriter:
             self.sync()
 
 
+def expected_tokens(conversation: list[dict], first_prompt_tokens: int, max_new_tokens: int) -> int:
+    """The work a conversation's regeneration is counted as on the progress bar: its first
+    prompt's tokens and `max_new_tokens` per reply (a batch decodes until its longest
+    reply ends, mostly at the cap)."""
+    replies = sum(1 for m in conversation if m["role"] == "assistant")
+    return first_prompt_tokens + replies * max_new_tokens
+
+
 def before_first_reply(conversation: list[dict]) -> list[dict]:
     """The messages before the first assistant turn: what its reply is generated from."""
     out = []
@@ -162,15 +170,19 @@ def regenerate(
     too_long = [i for i in todo if len(first_prompt[i]) > cap]
     todo = sorted((i for i in todo if len(first_prompt[i]) <= cap), key=lambda i: len(first_prompt[i]))
     torch.manual_seed(seed)
-    bar = tqdm(total=len(conversations), initial=len(done), desc="regenerate",
-               unit="conv", disable=not progress)
+    # The bar counts tokens, not conversations: the prompts run shortest first, so a
+    # conversation count would promise the long tail at the short head's rate.
+    work = {i: expected_tokens(conversations[i], len(first_prompt[i]), max_new_tokens) for i in todo}
+    work.update((i, 0) for i in too_long)
+    done_work = sum(expected_tokens(conversations[i], 0, max_new_tokens) for i in done)
+    bar = tqdm(total=done_work + sum(work.values()), initial=done_work, desc="regenerate", unit="tok",
+               unit_scale=True, disable=not progress)
     with open(out_path, "a", encoding="utf-8") as f:
         writer = RecordWriter(f, sources, done)
         if too_long:  # ended before their first reply, as the loop below would end them
             for i in too_long:
                 writer.write(i, [])
             writer.sync()
-            bar.update(len(too_long))
         if backend == "server":
             from eyas.data.regenerate_server import regenerate_with_server
 
@@ -178,13 +190,13 @@ def regenerate(
             todo.reverse()
             try:
                 regenerate_with_server(conversations, todo, tokenizer, server, writer.write_soon, max_prompt_tokens,
-                                       bar)
+                                       bar, work)
             finally:
                 writer.sync()
         else:
-            _regenerate_hf(conversations, todo, first_prompt, tokenizer, model, writer, bar, batch_size,
-                           max_new_tokens, temperature, top_p, max_prompt_tokens, states_dir, state_layer_ids,
-                           target_name)
+            _regenerate_hf(conversations, todo, first_prompt, tokenizer, model, writer, lambda b: bar.update(
+                           sum(work[i] for i in b)), batch_size, max_new_tokens, temperature, top_p,
+                           max_prompt_tokens, states_dir, state_layer_ids, target_name)
     bar.close()
     if token_checks is not None:
         for i in range(len(conversations)):
@@ -192,7 +204,7 @@ def regenerate(
     return [done[i]["messages"] for i in range(len(conversations))]
 
 
-def _regenerate_hf(conversations, todo, first_prompt, tokenizer, model, writer: RecordWriter, bar, batch_size,
+def _regenerate_hf(conversations, todo, first_prompt, tokenizer, model, writer: RecordWriter, advance, batch_size,
                    max_new_tokens, temperature, top_p, max_prompt_tokens, states_dir, state_layer_ids,
                    target_name) -> None:
     """The hf backend: batches of conversations, turn t of every one decoded together."""
@@ -245,4 +257,4 @@ def _regenerate_hf(conversations, todo, first_prompt, tokenizer, model, writer: 
         for i in batch:
             writer.write(i, histories[i])
         writer.sync()
-        bar.update(len(batch))
+        advance(batch)

@@ -160,7 +160,7 @@ class ChatClient:
 
 async def _regenerate_all(conversations: Sequence[list[dict]], todo: Sequence[int], tokenizer,
                           settings: ServerSettings, write: Callable[[int, list[dict], dict], None],
-                          max_prompt_tokens: Optional[int], ends: set[int], bar) -> None:
+                          max_prompt_tokens: Optional[int], ends: set[int], bar, work: dict[int, int]) -> None:
     client = ChatClient(settings)
     sem = asyncio.Semaphore(settings.concurrency)
     start, tokens, replies = time.monotonic(), 0, 0
@@ -199,7 +199,7 @@ async def _regenerate_all(conversations: Sequence[list[dict]], todo: Sequence[in
         write(i, history, checks)
         elapsed = max(time.monotonic() - start, 1e-6)
         bar.set_postfix(replies_per_s=f"{replies / elapsed:.1f}", tok_per_s=f"{tokens / elapsed:.0f}", refresh=False)
-        bar.update(1)
+        bar.update(work.get(i, 1))
 
     try:
         tasks = [asyncio.create_task(one(i)) for i in todo]
@@ -215,12 +215,14 @@ async def _regenerate_all(conversations: Sequence[list[dict]], todo: Sequence[in
 
 def regenerate_with_server(conversations: Sequence[list[dict]], todo: Sequence[int], tokenizer,
                            settings: ServerSettings, write: Callable[[int, list[dict], dict], None],
-                           max_prompt_tokens: Optional[int], bar) -> None:
+                           max_prompt_tokens: Optional[int], bar, work: Optional[dict[int, int]] = None) -> None:
     """Regenerate the conversations at `todo` through the server; `write(i, messages,
     token_checks)` is called as each one finishes (`token_checks`: turns compared with the
-    server's token ids and the mismatches by reason, see `compare_reply_tokens`)."""
+    server's token ids and the mismatches by reason, see `compare_reply_tokens`). `bar`
+    advances by `work[i]` (its expected tokens) as conversation i finishes."""
     if not todo:
         return
     ends = {int(i) for i in tokenizer.convert_tokens_to_ids(special_strings(tokenizer)) if i is not None}
     with settings.engine() if settings.engine else nullcontext():
-        asyncio.run(_regenerate_all(conversations, todo, tokenizer, settings, write, max_prompt_tokens, ends, bar))
+        asyncio.run(_regenerate_all(conversations, todo, tokenizer, settings, write, max_prompt_tokens, ends, bar,
+                                    work or {}))

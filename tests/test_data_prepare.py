@@ -165,6 +165,53 @@ def test_regeneration_batches_by_first_prompt_length(tiny_llama_dir, tmp_path, m
     assert sorted(r["index"] for r in records) == list(range(7))
 
 
+class _BarSpy:
+    """Stands in for tqdm: what the bar was told to count."""
+
+    made = []
+
+    def __init__(self, total=None, initial=0, unit="it", **kwargs):
+        self.total, self.n, self.unit = total, initial, unit
+        self.initial = initial
+        _BarSpy.made.append(self)
+
+    def update(self, k=1):
+        self.n += k
+
+    def set_postfix(self, *a, **k):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_regeneration_progress_counts_tokens_and_resumes_its_count(tiny_llama_dir, tmp_path, monkeypatch):
+    """The ETA counts prompt tokens and reply slots: the prompts run shortest first, so a
+    conversation count would read the long tail at the short head's rate."""
+    import tqdm.auto
+
+    from eyas.data.regenerate import before_first_reply, prompt_ids, regenerate
+    from eyas.data.targets import load_target
+
+    target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    monkeypatch.setattr(tqdm.auto, "tqdm", _BarSpy)
+    convs = [[{"role": "user", "content": " ".join(["w"] * n)}, {"role": "assistant", "content": "old"}]
+             for n in (2, 30, 4, 60)]
+    prompt_tokens = [len(prompt_ids(target.tokenizer, before_first_reply(c))) for c in convs]
+    out = tmp_path / "r.jsonl"
+    regenerate(convs, target.tokenizer, out, model=target.model, batch_size=2, max_new_tokens=5)
+    bar = _BarSpy.made[-1]
+    assert bar.unit == "tok" and bar.total == sum(prompt_tokens) + 4 * 5 and bar.n == bar.total
+    # resumed with two records kept: the bar starts at their reply slots, ends at its total
+    out.write_text("\n".join(out.read_text().splitlines()[:2]) + "\n")
+    regenerate(convs, target.tokenizer, out, model=target.model, batch_size=2, max_new_tokens=5)
+    bar = _BarSpy.made[-1]
+    kept = [json.loads(line)["index"] for line in out.read_text().splitlines()[:2]]
+    left = [i for i in range(4) if i not in kept]
+    assert bar.initial == 2 * 5 and bar.total == bar.initial + sum(prompt_tokens[i] for i in left) + 2 * 5
+    assert bar.n == bar.total
+
+
 def test_no_eval_split_when_eval_fraction_is_zero(tiny_llama_dir, tmp_path):
     corpus = _write_corpus(tmp_path / "c.jsonl", n=6)
     run = tmp_path / "run"
