@@ -130,7 +130,7 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
         if target is None and cfg.regenerate.backend == "hf":
             t = recipe.target
             target = load_target(t.name_or_path, t.dtype, t.device, t.attn_implementation, t.trust_remote_code,
-                                 t.revision)
+                                 t.revision, work_rows=cfg.regenerate.batch_size)
         tokenizer = tokenizer or (target.tokenizer if target is not None else None)
         from eyas.data.regenerate import regenerate
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from eyas.assets import packaged_file
-from eyas.precision import resolve_dtype
+from eyas.precision import resolve_dtype, shapes_of_config
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,18 @@ def _unloadable(name_or_path: str, what: str, err: Exception) -> str:
     return f"target {name_or_path!r}: cannot load its {what}: {first}"
 
 
+def load_target_config(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False):
+    """The target's transformers config alone (shapes, layer count) without its weights."""
+    from transformers import AutoConfig
+
+    path = resolve_target_path(name_or_path)
+    _check_target_exists(name_or_path, path)
+    try:
+        return AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise TargetLoadError(_unloadable(name_or_path, "config", err)) from None
+
+
 def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False):
     """The target's tokenizer alone (what prepare needs without regeneration)."""
     from transformers import AutoTokenizer
@@ -207,27 +219,27 @@ def load_target(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     revision: str | None = None,
+    work_rows: int = 64,
 ) -> Target:
     """Load a frozen causal LM and its tokenizer.
 
     `name_or_path`: a Hub id, a local directory, or `smollm2-135m`. `dtype`: `auto`
-    (bf16 where `device` runs it natively, else float32), `bfloat16`, `float16`, `float32`.
+    (bf16 where it is faster on `device` for this model's multiplies at `work_rows` rows:
+    the batch a stage decodes or the tokens it runs at once; see eyas/precision.py),
+    `bfloat16`, `float16`, `float32`.
     Returns a `Target` whose model is in eval mode with requires_grad False everywhere.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     path = resolve_target_path(name_or_path)
-    _check_target_exists(name_or_path, path)
     dev = resolve_device(device)
-    try:
-        config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
-    except OSError as err:
-        raise TargetLoadError(_unloadable(name_or_path, "config", err)) from None
+    config = load_target_config(name_or_path, revision, trust_remote_code)
     attn = attention_implementation(config, attn_implementation)
+    chosen = resolve_dtype(dtype, dev, shapes_of_config(config, work_rows) if dtype == "auto" else None)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path,
-            dtype=_DTYPES[resolve_dtype(dtype, dev)],
+            dtype=_DTYPES[chosen],
             attn_implementation=attn,
             revision=revision,
             trust_remote_code=trust_remote_code,

@@ -1,54 +1,172 @@
-"""Pick bf16 or float32 by what the device computes fast (`dtype: auto` in a recipe).
+"""Pick bf16 or float32 for `dtype: auto` / `mixed_precision: auto` (DESIGN §2.4).
 
-bf16 halves memory everywhere, but only some processors multiply in it natively: GPUs
-from Ampere on, and x86 CPUs with AVX512-BF16 or AMX. On any other CPU torch emulates
-bf16 matmuls through float32 conversions. Measured on a 2-core AVX-512 Xeon without
-either extension (`scripts/bench_regenerate.py`, `scripts/bench_head_step.py`): float32
-regenerated replies 2.8x and trained the SmolLM2 head 2.4x faster than bf16. So `auto`
-means bf16 where it is native and float32 elsewhere.
+bf16 halves memory everywhere, but whether it is faster depends on the processor and on
+the shape of the work, not on the instruction flags it advertises: a CPU with
+AVX512-BF16 and no AMX can multiply a batch in bf16 at half its float32 rate. So on a
+CPU `auto` times the model's own matrix multiplies (one MLP projection and the LM head,
+at the row count the stage works with) in both dtypes and takes the faster one. The
+verdict is cached per machine, torch version, thread count and shape in
+`~/.cache/eyas/precision.json` (`EYAS_CACHE_DIR` moves it; delete the file to measure
+again) and logged with the figures it rests on. CUDA GPUs with bf16 support and Apple
+GPUs get bf16 without measuring.
 """
 
 from __future__ import annotations
 
-import functools
+import json
 import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
+CACHE_NAME = "precision.json"
+# The LM head is timed over at most this many vocabulary rows: enough to reach the
+# memory-bound regime, small enough that a 200k vocabulary costs no gigabytes.
+MAX_TIMED_VOCAB = 32768
+MAX_TIMED_ROWS = 256
 
-@functools.cache
-def _cpu_has_native_bf16() -> bool:
-    # Private torch probes (present since 2.1); a torch without them gets float32.
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+@dataclass(frozen=True)
+class MatmulShapes:
+    """The multiplies a stage runs most: `rows` x hidden by hidden x intermediate (an MLP
+    projection) and `rows` x hidden by hidden x vocab (the LM head)."""
+
+    hidden: int = 576
+    intermediate: int = 1536
+    vocab: int = 49152
+    rows: int = 64
+
+    def timed(self) -> "MatmulShapes":
+        return MatmulShapes(self.hidden, self.intermediate, min(self.vocab, MAX_TIMED_VOCAB),
+                            max(1, min(self.rows, MAX_TIMED_ROWS)))
 
 
-def has_native_bf16(device: torch.device | str) -> bool:
-    """True where bf16 matmuls run natively on `device` (a CUDA GPU with bf16 support, a
-    CPU with AVX512-BF16 or AMX, an Apple GPU)."""
+def shapes_of_config(config, rows: int, vocab: int | None = None) -> MatmulShapes:
+    """The shapes of a transformers config (multimodal configs nest the text part);
+    `vocab` overrides the LM head's width (a draft vocabulary)."""
+    text = getattr(config, "text_config", None) or config
+    hidden = int(text.hidden_size)
+    inter = int(getattr(text, "intermediate_size", None) or getattr(text, "moe_intermediate_size", None)
+                or 4 * hidden)
+    return MatmulShapes(hidden, inter, int(vocab or text.vocab_size), rows)
+
+
+def cache_dir() -> Path:
+    if os.environ.get("EYAS_CACHE_DIR"):
+        return Path(os.environ["EYAS_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eyas"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _machine_key(shapes: MatmulShapes) -> str:
+    s = shapes.timed()
+    return (f"{_cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}|"
+            f"{s.rows}x{s.hidden}x{s.intermediate}+{s.vocab}")
+
+
+def time_matmuls(dtype: torch.dtype, shapes: MatmulShapes, seconds: float = 0.15) -> float:
+    """Seconds for one MLP projection plus one LM-head multiply in `dtype` on the CPU:
+    the fastest of repeated runs over about `seconds` (the fastest, so that another
+    process's burst does not decide)."""
+    s = shapes.timed()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(s.rows, s.hidden, generator=gen).to(dtype)
+    w_mlp = torch.randn(s.hidden, s.intermediate, generator=gen).to(dtype)
+    w_head = torch.randn(s.hidden, s.vocab, generator=gen).to(dtype)
+
+    def once() -> float:
+        start = time.perf_counter()
+        torch.mm(x, w_mlp)
+        torch.mm(x, w_head)
+        return time.perf_counter() - start
+
+    once()  # warm up: first-call dispatch and page faults
+    best, spent = float("inf"), 0.0
+    while spent < seconds or best == float("inf"):
+        t = once()
+        best, spent = min(best, t), spent + t
+    return best
+
+
+def _read_cache() -> dict:
+    try:
+        return json.loads((cache_dir() / CACHE_NAME).read_text())
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: measure again and rewrite it
+
+
+def _write_cache(verdicts: dict) -> None:
+    path = cache_dir() / CACHE_NAME
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{CACHE_NAME}.{os.getpid()}")
+        tmp.write_text(json.dumps(verdicts, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as err:  # a read-only home only costs a measurement next time
+        log.debug("could not cache the precision verdict in %s: %s", path, err)
+
+
+def cpu_bf16_is_faster(shapes: MatmulShapes | None = None) -> bool:
+    """Whether bf16 multiplies `shapes` faster than float32 on this CPU: measured once,
+    then read from the cache."""
+    shapes = shapes or MatmulShapes()
+    key = _machine_key(shapes)
+    verdicts = _read_cache()
+    known = verdicts.get(key)
+    if isinstance(known, dict) and known.get("faster") in ("bfloat16", "float32"):
+        log.info("dtype auto: %s on this CPU (cached: bf16 %.2f ms, float32 %.2f ms for %s)", known["faster"],
+                 known["bfloat16_ms"], known["float32_ms"], known["shapes"])
+        return known["faster"] == "bfloat16"
+    # Two alternating rounds, the fastest of each dtype: a neighbour's burst in one round
+    # slows one dtype's figure once, not the whole verdict.
+    rounds = [(time_matmuls(torch.bfloat16, shapes, 0.1), time_matmuls(torch.float32, shapes, 0.1)) for _ in range(2)]
+    bf16, fp32 = min(r[0] for r in rounds), min(r[1] for r in rounds)
+    faster = "bfloat16" if bf16 < fp32 else "float32"
+    verdicts[key] = {"faster": faster, "bfloat16_ms": round(bf16 * 1e3, 3), "float32_ms": round(fp32 * 1e3, 3),
+                     "shapes": asdict(shapes.timed())}
+    _write_cache(verdicts)
+    log.info("dtype auto: %s on this CPU (measured: bf16 %.2f ms, float32 %.2f ms for %s; cached in %s)",
+             faster, bf16 * 1e3, fp32 * 1e3, asdict(shapes.timed()), cache_dir() / CACHE_NAME)
+    return faster == "bfloat16"
+
+
+def bf16_is_faster(device: torch.device | str, shapes: MatmulShapes | None = None) -> bool:
+    """True where bf16 is the faster choice on `device`: a CUDA GPU with bf16 support, an
+    Apple GPU, or a CPU where it measured faster for `shapes`."""
     kind = torch.device(device).type
     if kind == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if kind == "cpu":
-        return _cpu_has_native_bf16()
+        return cpu_bf16_is_faster(shapes)
     return kind == "mps"
 
 
-def resolve_dtype(name: str, device: torch.device | str) -> str:
+def resolve_dtype(name: str, device: torch.device | str, shapes: MatmulShapes | None = None) -> str:
     """A recipe dtype (`auto`, `bfloat16`, `float16`, `float32`) -> the one to load in:
-    `auto` becomes `bfloat16` where `has_native_bf16(device)`, else `float32`."""
+    `auto` becomes `bfloat16` where `bf16_is_faster(device, shapes)`, else `float32`."""
     if name != "auto":
         return name
-    chosen = "bfloat16" if has_native_bf16(device) else "float32"
-    log.info("dtype auto -> %s on %s", chosen, torch.device(device).type)
-    return chosen
+    return "bfloat16" if bf16_is_faster(device, shapes) else "float32"
 
 
-def resolve_mixed_precision(name: str, device: torch.device | str) -> str:
+def resolve_mixed_precision(name: str, device: torch.device | str, shapes: MatmulShapes | None = None) -> str:
     """A recipe `train.mixed_precision` (`auto`, `no`, `bf16`, `fp16`) -> the accelerate
-    setting: `auto` becomes `bf16` where `has_native_bf16(device)`, else `no` (float32)."""
+    setting: `auto` becomes `bf16` where `bf16_is_faster(device, shapes)`, else `no`."""
     if name != "auto":
         return name
-    return "bf16" if has_native_bf16(device) else "no"
+    return "bf16" if bf16_is_faster(device, shapes) else "no"

@@ -30,7 +30,7 @@ class TargetSection(_Section):
     # The target's Hub id (ORG/NAME), written into the exported head as its verifier when
     # name_or_path is a local directory: `vllm serve` of a pushed head looks the target up by it.
     hub_id: Optional[str] = None
-    # auto: bfloat16 where the device multiplies in it natively, else float32 (eyas/precision.py)
+    # auto: bfloat16 on GPUs, and on a CPU where it times faster than float32 (eyas/precision.py)
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     attn_implementation: Optional[str] = None  # None: chosen per architecture
     trust_remote_code: bool = False

@@ -8,6 +8,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `dtype: auto` caches its bf16/float32 verdict per machine: the tests' verdicts stay out of
+# the user's ~/.cache (each session measures once per shape, well under a second).
+if "EYAS_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["EYAS_CACHE_DIR"] = tempfile.mkdtemp(prefix="eyas-test-cache-")
 
 import sys  # noqa: E402
 

@@ -1,4 +1,8 @@
-"""`dtype: auto` / `mixed_precision: auto`: bf16 only where the device runs it natively."""
+"""`dtype: auto` / `mixed_precision: auto`: bf16 where it measured faster, on this machine,
+for the model's own shapes; the verdict is cached and logged."""
+
+import json
+import logging
 
 import pytest
 import torch
@@ -9,38 +13,87 @@ from eyas.recipe import recipe_from_dict
 
 
 @pytest.fixture
-def cpu_bf16(monkeypatch):
-    """Set what the CPU probes report: call with True (AVX512-BF16) or False (neither)."""
+def timed(monkeypatch, tmp_path):
+    """A fake timer: call with the seconds bf16 and float32 take; returns the list of
+    dtypes actually timed (a cached verdict times nothing)."""
+    monkeypatch.setenv("EYAS_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
 
-    def set_native(native: bool):
-        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
-        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-        precision._cpu_has_native_bf16.cache_clear()
+    def set_times(bf16: float, fp32: float):
+        def fake(dtype, shapes, seconds=0.15):
+            calls.append(dtype)
+            return bf16 if dtype == torch.bfloat16 else fp32
 
-    yield set_native
-    precision._cpu_has_native_bf16.cache_clear()
+        monkeypatch.setattr(precision, "time_matmuls", fake)
+        return calls
 
-
-@pytest.mark.parametrize("native, dtype, mixed", [(True, "bfloat16", "bf16"), (False, "float32", "no")])
-def test_auto_follows_the_cpu(cpu_bf16, native, dtype, mixed):
-    cpu_bf16(native)
-    assert precision.resolve_dtype("auto", "cpu") == dtype
-    assert precision.resolve_mixed_precision("auto", torch.device("cpu")) == mixed
+    return set_times
 
 
-def test_amx_alone_counts_as_native(monkeypatch, cpu_bf16):
-    cpu_bf16(False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    precision._cpu_has_native_bf16.cache_clear()
-    assert precision.resolve_dtype("auto", "cpu") == "bfloat16"
+@pytest.mark.parametrize("bf16, fp32, dtype, mixed", [(0.004, 0.008, "bfloat16", "bf16"),
+                                                      (0.010, 0.005, "float32", "no")])
+def test_auto_takes_the_faster_dtype_and_caches_the_verdict(timed, caplog, bf16, fp32, dtype, mixed):
+    calls = timed(bf16, fp32)
+    with caplog.at_level(logging.INFO, logger="eyas.precision"):
+        assert precision.resolve_dtype("auto", "cpu") == dtype
+    assert set(calls) == {torch.bfloat16, torch.float32}
+    timings = len(calls)
+    said = caplog.text
+    assert f"dtype auto: {dtype}" in said
+    assert f"bf16 {bf16 * 1e3:.2f} ms" in said and f"float32 {fp32 * 1e3:.2f} ms" in said
+    cached = json.loads((precision.cache_dir() / precision.CACHE_NAME).read_text())
+    (verdict,) = cached.values()
+    assert verdict["faster"] == dtype and verdict["bfloat16_ms"] == bf16 * 1e3
+    # the next stage (and the next run) reads the verdict instead of timing again
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="eyas.precision"):
+        assert precision.resolve_mixed_precision("auto", torch.device("cpu")) == mixed
+    assert len(calls) == timings and "cached" in caplog.text
 
 
-def test_explicit_settings_are_kept(cpu_bf16):
-    cpu_bf16(False)
+def test_the_verdict_is_per_shape(timed):
+    calls = timed(0.004, 0.008)
+    precision.resolve_dtype("auto", "cpu", precision.MatmulShapes(rows=256))
+    precision.resolve_dtype("auto", "cpu", precision.MatmulShapes(rows=1))
+    per_verdict = len(calls) // 2
+    precision.resolve_dtype("auto", "cpu", precision.MatmulShapes(rows=256))
+    assert len(calls) == 2 * per_verdict
+    assert len(json.loads((precision.cache_dir() / precision.CACHE_NAME).read_text())) == 2
+
+
+def test_a_damaged_cache_is_measured_again(timed):
+    calls = timed(0.010, 0.005)
+    path = precision.cache_dir() / precision.CACHE_NAME
+    path.parent.mkdir(parents=True)
+    path.write_text('{"cut off')
+    assert precision.resolve_dtype("auto", "cpu") == "float32" and set(calls) == {torch.bfloat16, torch.float32}
+    assert json.loads(path.read_text())
+
+
+def test_the_real_timer_times_both_dtypes_quickly():
+    shapes = precision.MatmulShapes(hidden=64, intermediate=128, vocab=1000, rows=8)
+    for dtype in (torch.bfloat16, torch.float32):
+        t = precision.time_matmuls(dtype, shapes, seconds=0.01)
+        assert 0 < t < 1
+
+
+def test_shapes_come_from_the_model_config(tiny_llama_dir):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    s = precision.shapes_of_config(config, rows=32, vocab=100)
+    assert (s.hidden, s.intermediate, s.vocab, s.rows) == (config.hidden_size, config.intermediate_size, 100, 32)
+    big = precision.MatmulShapes(hidden=2880, intermediate=2880, vocab=201088, rows=4096).timed()
+    assert big.vocab == precision.MAX_TIMED_VOCAB and big.rows == precision.MAX_TIMED_ROWS
+
+
+def test_explicit_settings_are_kept(timed):
+    calls = timed(0.004, 0.008)
     for name in ("bfloat16", "float16", "float32"):
         assert precision.resolve_dtype(name, "cpu") == name
     for name in ("bf16", "fp16", "no"):
         assert precision.resolve_mixed_precision(name, "cpu") == name
+    assert calls == []
 
 
 def test_recipes_default_to_auto_and_reject_unknown_dtypes():
@@ -50,8 +103,8 @@ def test_recipes_default_to_auto_and_reject_unknown_dtypes():
         recipe_from_dict({"name": "x", "target": {"dtype": "bf32"}})
 
 
-@pytest.mark.parametrize("native, expected", [(False, torch.float32), (True, torch.bfloat16)])
-def test_load_target_auto_loads_the_native_dtype(tiny_llama_dir, cpu_bf16, native, expected):
-    cpu_bf16(native)
+@pytest.mark.parametrize("bf16, expected", [(0.010, torch.float32), (0.001, torch.bfloat16)])
+def test_load_target_auto_loads_the_faster_dtype(tiny_llama_dir, timed, bf16, expected):
+    timed(bf16, 0.005)
     model = load_target(str(tiny_llama_dir), dtype="auto", device="cpu").model
     assert {p.dtype for p in model.parameters()} == {expected}

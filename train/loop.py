@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.precision import resolve_mixed_precision
+from eyas.precision import resolve_mixed_precision, shapes_of_config
 from eyas.train.algorithms import loss_function
 from eyas.train.batching import BatchStream, DataPosition, offline_stream, online_stream
 from eyas.train.build import FrozenOutput, HeadWithLoss, build_trainable_head, frozen_output, head_config_for
@@ -207,7 +207,7 @@ def train(recipe, target=None, progress: bool = True, restart: bool = False, acc
 
         PartialState(backend="gloo")
     compute_device = "cuda" if torch.cuda.is_available() and not on_cpu else "cpu"
-    accelerator = Accelerator(mixed_precision=resolve_mixed_precision(cfg.mixed_precision, compute_device),
+    accelerator = Accelerator(mixed_precision=_mixed_precision(recipe, target, compute_device),
                               gradient_accumulation_steps=cfg.grad_accum,
                               cpu=on_cpu)
     device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
@@ -252,7 +252,7 @@ def train(recipe, target=None, progress: bool = True, restart: bool = False, acc
     if target is None:
         t = recipe.target
         target = load_target(t.name_or_path, t.dtype, str(device), t.attn_implementation, t.trust_remote_code,
-                             t.revision)
+                             t.revision, work_rows=cfg.batch_tokens)
     target.model.to(device)
     pad_id = getattr(target.tokenizer, "pad_token_id", None) or 0
     freqs_path = paths.prepared / "token_freqs.safetensors"
@@ -410,6 +410,20 @@ def train(recipe, target=None, progress: bool = True, restart: bool = False, acc
     return {"is_main_process": accelerator.is_main_process, "step": state.step, "total_steps": total,
             "final_dir": str(ckpt_root / "final"), "train": last_train, "eval": last_eval,
             "nonfinite_steps": state.nonfinite_total, "settings_changes": state.changes}
+
+
+def _mixed_precision(recipe, target, device: str) -> str:
+    """`train.mixed_precision` for this device; `auto` is decided on the head's own
+    multiplies (the target's widths, the draft vocabulary, a batch's tokens)."""
+    from eyas.data.targets import load_target_config
+
+    cfg, t = recipe.train, recipe.target
+    shapes = None
+    if cfg.mixed_precision == "auto" and device == "cpu":
+        config = target.config if target is not None else load_target_config(t.name_or_path, t.revision,
+                                                                              t.trust_remote_code)
+        shapes = shapes_of_config(config, cfg.batch_tokens, recipe.head.draft_vocab_size)
+    return resolve_mixed_precision(cfg.mixed_precision, device, shapes)
 
 
 def clear_run(paths) -> None:

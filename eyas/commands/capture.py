@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     dd = load_prepared(prepared)
     splits = [s for s in splits if s in dd]  # an empty eval split is not written
     t = recipe.target
-    target = load_target(t.name_or_path, t.dtype, t.device, t.attn_implementation, t.trust_remote_code, t.revision)
+    target = load_target(t.name_or_path, t.dtype, t.device, t.attn_implementation, t.trust_remote_code, t.revision,
+                         work_rows=recipe.data.capture_batch_tokens)
     aux_ids = list(recipe.data.aux_layer_ids or default_aux_layer_ids(target.num_layers))
     bpt = bytes_per_token(len(aux_ids), target.hidden_size, recipe.data.cache_dtype)
     total = sum(len(x) for s in splits for x in dd[s]["input_ids"])

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     t = recipe.target
     target = load_target(pick(args.target, t.name_or_path), dtype=pick(args.dtype, ev.dtype or t.dtype), device=t.device,
                          attn_implementation=t.attn_implementation, trust_remote_code=t.trust_remote_code,
-                         revision=t.revision)
+                         revision=t.revision, work_rows=k + 1)  # a verify step's rows
     drafters = {}
     if head_dir is not None:
         drafters["head"] = HeadDrafter(load_eval_head(head_dir, target))
