@@ -115,16 +115,7 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
     cfg = recipe.data
     out_dir = Path(out_dir or recipe.paths.prepared)
     out_dir.mkdir(parents=True, exist_ok=True)
-    conversations, report = read_conversations(cfg.sources, cfg.format, cfg.max_samples,
-                                               bad_encoding=cfg.bad_encoding)
-    log.info("read: %s", report.summary())
-    if cfg.max_turns is not None:
-        conversations = [keep_first_turns(c, cfg.max_turns) for c in conversations]
-    if cfg.dedupe:
-        conversations, repeated = drop_duplicates(conversations, prompts_only=cfg.regenerate.enabled)
-        if repeated:
-            report.kept -= repeated
-            report.drop("duplicate", repeated)
+    conversations, report = gather_conversations(cfg)
     source_index = list(range(len(conversations)))  # a conversation's index in regenerated.jsonl
     if cfg.regenerate.enabled:
         if target is None and cfg.regenerate.backend == "hf":
@@ -134,25 +125,7 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
         tokenizer = tokenizer or (target.tokenizer if target is not None else None)
         from eyas.data.regenerate import regenerate
 
-        rg = cfg.regenerate
-        states_dir = layer_ids = None
-        if rg.keep_states and (cfg.features != "offline" or target is None):
-            log.warning("data.regenerate.keep_states needs the hf backend and data.features=offline; "
-                        "the capture will run the target itself")
-        elif rg.keep_states:
-            from eyas.data.fed_states import FED_STATES_DIR, fed_state_layer_ids
-            from eyas.data.targets import default_aux_layer_ids
-
-            states_dir = out_dir / FED_STATES_DIR
-            layer_ids = fed_state_layer_ids(cfg.aux_layer_ids or default_aux_layer_ids(target.num_layers),
-                                            target.num_layers)
-        kwargs = dict(model=target.model if target is not None else None, backend=rg.backend,
-                      batch_size=rg.batch_size, max_new_tokens=rg.max_new_tokens, temperature=rg.temperature,
-                      top_p=rg.top_p, seed=rg.seed, progress=progress,
-                      max_prompt_tokens=max(1, cfg.max_length - rg.max_new_tokens), states_dir=states_dir,
-                      state_layer_ids=layer_ids, target_name=recipe.target.name_or_path,
-                      server=server_settings(rg, out_dir) if rg.backend == "server" else None,
-                      token_checks=report.token_checks)
+        kwargs = regeneration_kwargs(recipe, target, out_dir, report, progress)
         tokenizer = tokenizer or load_tokenizer(recipe.target.name_or_path, recipe.target.revision,
                                                 recipe.target.trust_remote_code)
         conversations = regenerate(conversations, tokenizer, out_dir / "regenerated.jsonl", **kwargs)
@@ -204,6 +177,47 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
             "drop_report": report.as_dict()}
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
+
+
+def gather_conversations(cfg, max_samples: Optional[int] = None):
+    """The conversations `prepare` regenerates and renders, with their drop report: the first
+    `max_samples` (default `data.max_samples`) read, cut to `max_turns`, repeats dropped.
+    Reading fewer gives a prefix of reading more, so regenerated.jsonl's indices hold."""
+    conversations, report = read_conversations(cfg.sources, cfg.format, max_samples or cfg.max_samples,
+                                               bad_encoding=cfg.bad_encoding)
+    log.info("read: %s", report.summary())
+    if cfg.max_turns is not None:
+        conversations = [keep_first_turns(c, cfg.max_turns) for c in conversations]
+    if cfg.dedupe:
+        conversations, repeated = drop_duplicates(conversations, prompts_only=cfg.regenerate.enabled)
+        if repeated:
+            report.kept -= repeated
+            report.drop("duplicate", repeated)
+    return conversations, report
+
+
+def regeneration_kwargs(recipe, target, out_dir: Path, report: DropReport, progress: bool = True) -> dict:
+    """`regenerate()`'s settings from a recipe's `data.regenerate`, for `target` (None with
+    the server backend); shared by `prepare` and the time-budget probe (eyas/budget.py)."""
+    cfg, rg = recipe.data, recipe.data.regenerate
+    states_dir = layer_ids = None
+    if rg.keep_states and (cfg.features != "offline" or target is None):
+        log.warning("data.regenerate.keep_states needs the hf backend and data.features=offline; "
+                    "the capture will run the target itself")
+    elif rg.keep_states:
+        from eyas.data.fed_states import FED_STATES_DIR, fed_state_layer_ids
+        from eyas.data.targets import default_aux_layer_ids
+
+        states_dir = out_dir / FED_STATES_DIR
+        layer_ids = fed_state_layer_ids(cfg.aux_layer_ids or default_aux_layer_ids(target.num_layers),
+                                        target.num_layers)
+    return dict(model=target.model if target is not None else None, backend=rg.backend,
+                batch_size=rg.batch_size, max_new_tokens=rg.max_new_tokens, temperature=rg.temperature,
+                top_p=rg.top_p, seed=rg.seed, progress=progress,
+                max_prompt_tokens=max(1, cfg.max_length - rg.max_new_tokens), states_dir=states_dir,
+                state_layer_ids=layer_ids, target_name=recipe.target.name_or_path,
+                server=server_settings(rg, out_dir) if rg.backend == "server" else None,
+                token_checks=report.token_checks)
 
 
 def server_settings(rg, out_dir: Path):

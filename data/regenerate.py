@@ -43,7 +43,7 @@ def source_digest(conversation: list[dict]) -> str:
     return hashlib.sha256(json.dumps(key, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def _done_records(path: Path) -> dict[int, dict]:
+def done_records(path: Path) -> dict[int, dict]:
     """Whole records already written, index -> record; a line cut off by a kill is
     removed from the file so appending continues on a fresh line."""
     done = {}
@@ -126,6 +126,7 @@ def regenerate(
     target_name: str = "",
     server=None,
     token_checks: Optional[Counter] = None,
+    only: Optional[Sequence[int]] = None,
 ) -> list[list[dict]]:
     """Regenerate every assistant turn; returns the new conversations (in input order).
 
@@ -135,7 +136,8 @@ def regenerate(
     conversation's last kept reply and its prompt are written there before the batch's
     records (data/fed_states.py), for the capture to copy. `token_checks`, when given,
     gets the server's token-id comparisons of the returned conversations, the resumed
-    ones included.
+    ones included. `only` limits the work to those indices (the others come back as
+    they were, or as already regenerated): the time-budget probe runs one batch this way.
 
     Replies that come back empty (the target stopped at once, or was cut inside its
     reasoning) end the conversation before that turn; a conversation left without any
@@ -152,7 +154,7 @@ def regenerate(
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     sources = [source_digest(c) for c in conversations]
-    records = _done_records(out_path)
+    records = done_records(out_path)
     # a record whose source differs came from other data (another max_samples, dedupe,
     # max_turns): generated again, and the later record wins on the next read
     done = {i: r for i, r in records.items() if i < len(conversations) and r["source"] == sources[i]}
@@ -160,7 +162,7 @@ def regenerate(
     if stale:
         log.warning("%s: %d records were generated from other conversations than these; generating them again",
                     out_path, stale)
-    todo = [i for i in range(len(conversations)) if i not in done]
+    todo = [i for i in (range(len(conversations)) if only is None else sorted(set(only))) if i not in done]
     # Batches are formed by the token length of the first prompt to generate from, so left
     # padding wastes little: sorting by characters of the first two messages let the
     # dataset's own reply decide, which left ~60% of prefill positions padding.
@@ -199,9 +201,9 @@ def regenerate(
                            max_prompt_tokens, states_dir, state_layer_ids, target_name)
     bar.close()
     if token_checks is not None:
-        for i in range(len(conversations)):
-            token_checks.update(done[i]["token_checks"])
-    return [done[i]["messages"] for i in range(len(conversations))]
+        for r in done.values():
+            token_checks.update(r["token_checks"])
+    return [done[i]["messages"] if i in done else conversations[i] for i in range(len(conversations))]
 
 
 def _regenerate_hf(conversations, todo, first_prompt, tokenizer, model, writer: RecordWriter, advance, batch_size,

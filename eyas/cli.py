@@ -19,6 +19,7 @@ STAGES = {
     "export": "write a trained head in the format vLLM serves (and validate it)",
     "push": "upload an exported head to the Hugging Face Hub",
     "eval": "offline speculative-decoding evaluation (tau, per-position acceptance, TAR)",
+    "budget": "size a run (conversations read, epochs) to a time budget on this machine",
     "plan": "which K to serve, and the concurrency above which speculation stops paying",
 }
 
@@ -52,6 +53,7 @@ def setup_logging(verbose: bool = False) -> None:
 
 # Failures a user can act on, by the module that defines them: printed as one line.
 KNOWN_FAILURES = {
+    "eyas.budget": ("BudgetError",),
     "eyas.data.conversations": ("NoUsableDataError",),
     "eyas.data.cache": ("DamagedShardError", "StaleCacheError"),
     "eyas.data.capture": ("CaptureError",),

@@ -50,23 +50,6 @@ def target_config(name: str):
     return AutoConfig.for_model(shape.pop("model_type"), **shape)
 
 
-def synthetic_batch(b: int, t: int, vocab: int, aux_width: int, hidden: int, device, gen) -> dict:
-    """Right-padded [B, T] sequences, the last 60% of each real stretch in the loss mask;
-    aux [B, T, n·Ht] and last [B, T, Ht] in bf16 at a residual stream's scale."""
-    lengths = torch.randint(t // 2, t + 1, (b,), generator=gen)
-    lengths[0] = t
-    slots = torch.arange(t)[None]
-    am = (slots < lengths[:, None]).long()
-    loss = am * (slots >= (lengths[:, None] * 2) // 5).long()
-    return {
-        "input_ids": torch.randint(0, vocab, (b, t), generator=gen).to(device),
-        "attention_mask": am.to(device),
-        "loss_mask": loss.to(device),
-        "aux": (torch.randn(b, t, aux_width, generator=gen) * 4).to(device, torch.bfloat16),
-        "last": (torch.randn(b, t, hidden, generator=gen) * 4).to(device, torch.bfloat16),
-    }
-
-
 def top_ops(profiler, device_type: str, n: int) -> list[dict]:
     """The n ops with the most self time on the device (CPU time on a CPU run)."""
     key = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
@@ -88,43 +71,22 @@ def main() -> None:
                     help="profile one more step; JSON key profile: its N costliest ops")
     args = ap.parse_args()
 
-    from eyas.heads.layers import RMSNorm
     from eyas.recipe import load_recipe
-    from eyas.train.algorithms import loss_function
-    from eyas.train.build import head_config_for, head_from_target_weights
-    from eyas.precision import resolve_dtype, resolve_mixed_precision
-    from eyas.train.fastpath import draft_first_lm_head, valid_row_labels
+    from eyas.train.step_timing import build_head_step, synthetic_batch
 
     recipe_path = Path(args.recipe or ROOT / "recipes" / f"{args.target}-{args.algorithm}.yaml")
     recipe = load_recipe(str(recipe_path), [])
     cfg_t = target_config(args.target)
     device = torch.device(args.device)
-    gen = torch.Generator().manual_seed(0)
-    freqs = torch.randint(1, 1000, (cfg_t.vocab_size,), generator=gen)
-    head_cfg = head_config_for(recipe, cfg_t, verifier=args.target, token_freqs=freqs)
-    ht, vt = cfg_t.hidden_size, cfg_t.vocab_size
-    embed = torch.randn(vt, ht, generator=gen) * 0.02
-    lm_head = torch.randn(vt, ht, generator=gen) * 0.02
-    head = head_from_target_weights(head_cfg, freqs, embed, lm_head, torch.ones(ht))
-    head.to(device)
-    # the frozen target output the labels come from, in the target's dtype
-    target_dtype = getattr(torch, resolve_dtype(recipe.target.dtype, device))
-    norm = RMSNorm(ht, cfg_t.rms_norm_eps).to(device, target_dtype)
-    target_lm = draft_first_lm_head(lm_head.to(device, target_dtype), head.draft_token_ids())
-    del embed, lm_head
-
     train_cfg = recipe.train
     seq = args.seq or min(recipe.data.max_length, 2048)
     batch_tokens = args.batch_tokens or train_cfg.batch_tokens
     b = max(1, min(batch_tokens // seq, train_cfg.max_batch_size))
-    loss_fn = loss_function(head_cfg.algorithm)
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=train_cfg.learning_rate, betas=tuple(train_cfg.betas))
-    step_gen = torch.Generator(device=device).manual_seed(0)
-    mixed_precision = resolve_mixed_precision(train_cfg.mixed_precision, device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
-    aux_width = len(head_cfg.aux_layer_ids) * ht
-    batches = [synthetic_batch(b, seq, vt, aux_width, ht, device, gen) for _ in range(2)]
+    step = build_head_step(recipe, cfg_t, args.target, device, rows=b * seq)
+    head_cfg, target_dtype, mixed_precision = step.head_config, step.target_dtype, step.mixed_precision
+    gen = torch.Generator().manual_seed(0)
+    batches = [synthetic_batch(b, seq, cfg_t.vocab_size, step.aux_width, cfg_t.hidden_size, device, gen)
+               for _ in range(2)]
 
     def sync():
         if device.type == "cuda":
@@ -144,21 +106,14 @@ def main() -> None:
             profiler.__enter__()
         sync()
         t0 = time.perf_counter()
-        with torch.no_grad():
-            labels = valid_row_labels(batch["last"], norm, target_lm, batch["loss_mask"], batch["attention_mask"])
-        with autocast:
-            stats = loss_fn(head, batch, labels, train_cfg, step_gen)
-        stats.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, train_cfg.max_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        n_tokens = step.run(batch)
         sync()
         if profiler is not None:
             profiler.__exit__(None, None, None)
             profile = top_ops(profiler, device.type, args.profile)
         if args.warmup <= i < args.warmup + args.steps:
             seconds.append(time.perf_counter() - t0)
-            tokens += stats.tokens
+            tokens += n_tokens
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**30
         name = torch.cuda.get_device_name(device)
@@ -170,7 +125,7 @@ def main() -> None:
         if recipe_path.is_relative_to(ROOT) else str(recipe_path), "device": name,
         "seq": seq, "batch_size": b, "ttt_steps": train_cfg.ttt_steps if head_cfg.algorithm == "eagle3" else None,
         "num_depths": train_cfg.num_depths if head_cfg.algorithm == "peagle" else None,
-        "draft_vocab_size": head_cfg.draft_vocab_size, "head_params": sum(p.numel() for p in head.parameters()),
+        "draft_vocab_size": head_cfg.draft_vocab_size, "head_params": step.head_params,
         "target_dtype": str(target_dtype).removeprefix("torch."), "mixed_precision": mixed_precision,
         "tokens_per_s": tokens / sum(seconds), "step_seconds": [round(s, 4) for s in seconds],
         "peak_memory_gb": round(peak, 3), "torch": torch.__version__,

@@ -1,0 +1,153 @@
+"""The time budget (eyas/budget.py): the choice from measured rates, and the probe on a
+tiny target, whose regenerated replies prepare keeps."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from eyas.budget import BudgetError, Rates, choose, estimate, parse_duration, report
+from eyas.cli import main
+from eyas.recipe import load_recipe
+
+QUICKSTART = "recipes/smollm2-135m-eagle3.yaml"
+
+
+def test_durations():
+    assert parse_duration("30m") == 1800
+    assert parse_duration("1.5h") == 5400
+    assert parse_duration("1h30m") == 5400
+    assert parse_duration("90s") == 90
+    assert parse_duration("45") == 45
+    for bad in ("", "half an hour", "30 minutes", "0m", "-5m", "5x"):
+        with pytest.raises(BudgetError, match="budget"):
+            parse_duration(bad)
+
+
+def rates(speed: float = 1.0) -> Rates:
+    """Rates of a machine `speed` times slower than a quickstart-like one."""
+    return Rates(conversations_read=5400, regenerable=4000, probe_conversations=256, regen_batch_s=35.0 * speed,
+                 samples_per_conversation=0.98, sample_tokens=185.0, samples_per_step=7.9, step_s=0.37 * speed,
+                 capture_s_per_token=1.2e-4 * speed, decode_s_per_token=0.044 * speed, stage_start_s=10.0)
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return load_recipe(QUICKSTART, [])
+
+
+def total(r, recipe, n, e) -> float:
+    return sum(estimate(r, recipe, n, e).values())
+
+
+def test_estimates_grow_with_conversations_and_epochs(recipe):
+    r = rates()
+    base = estimate(r, recipe, 2000, 2)
+    more = estimate(r, recipe, 4000, 2)
+    longer = estimate(r, recipe, 2000, 4)
+    assert more["prepare"] > base["prepare"] and more["train"] > base["train"]
+    assert longer["prepare"] == base["prepare"] and longer["train"] > 1.8 * (base["train"] - 10.0)
+    assert base["eval"] == more["eval"] > 0
+    # the probe's batch is already regenerated: prepare does the rest only
+    assert estimate(r, recipe, 5400, 4)["prepare"] == pytest.approx(10.0 + (4000 - 256) / 256 * 35.0)
+
+
+def test_a_machine_that_fits_the_recipe_runs_it_unchanged(recipe):
+    r = rates()
+    c = choose(r, recipe, left_s=2 * total(r, recipe, 5400, 4))
+    assert (c.max_samples, c.epochs) == (5400, 4.0)
+    assert c.overrides == ["data.max_samples=5400", "train.epochs=4"]
+
+
+def test_a_slower_machine_reads_fewer_conversations_first(recipe):
+    r = rates(speed=1.5)
+    left = total(rates(), recipe, 5400, 4)  # what the recipe takes at speed 1
+    c = choose(r, recipe, left)
+    assert c.epochs == 4.0 and 2700 <= c.max_samples < 5400
+    assert sum(c.estimates.values()) <= left
+    assert total(r, recipe, c.max_samples + 100, 4) > left  # not needlessly small
+    assert any("fewer conversations first" in x for x in c.reasons)
+
+
+def test_a_much_slower_machine_then_trains_fewer_epochs(recipe):
+    r = rates(speed=2.0)
+    left = total(rates(), recipe, 5400, 4)
+    c = choose(r, recipe, left)
+    assert c.max_samples == 2700 and 1.0 <= c.epochs < 4.0
+    assert sum(c.estimates.values()) <= left
+    assert c.epochs * 4 == int(c.epochs * 4)  # quarters
+
+
+def test_an_impossible_budget_is_said(recipe):
+    c = choose(rates(speed=50.0), recipe, left_s=300)
+    assert c.epochs == 1.0 and c.max_samples <= 2700
+    assert any("cannot be met" in x for x in c.reasons)
+
+
+def test_keys_the_user_set_are_kept(recipe):
+    r = rates(speed=2.0)
+    left = total(rates(), recipe, 5400, 4)
+    c = choose(r, recipe, left, fixed=("data.max_samples",))
+    assert c.max_samples == 5400 and c.epochs < 4.0
+    c = choose(r, recipe, left, fixed=("train.epochs",))
+    assert c.epochs == 4.0 and c.max_samples < 2700
+
+
+def test_the_report_sets_each_stage_against_its_estimate_and_share():
+    sized = {"budget_s": 1800, "spent_before_s": 60, "probe_s": 50, "estimates_s": {"prepare": 500, "train": 700}}
+    text = report(sized, {"setup": 60, "sizing": 50, "prepare": 540, "train": 650})
+    rows = {line.split()[0]: line.split() for line in text.splitlines()}
+    assert rows["prepare"][1:4] == ["9.0m", "8.3m", "30%"]
+    assert rows["train"][1:4] == ["10.8m", "11.7m", "36%"]
+    assert "within the budget of 30 min" in rows["total"][-1] or "within" in text
+    over = report(sized, {"prepare": 2000})
+    assert "OVER the budget" in over
+
+
+def test_probe_sizes_the_run_and_prepare_keeps_its_replies(tiny_llama_dir, tmp_path, capsys, caplog):
+    rows = [{"conversations": [{"from": "human", "value": f"question {k} " + "word " * (k % 13)},
+                               {"from": "gpt", "value": "an answer"}]} for k in range(120)]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    run = tmp_path / "run"
+    common = [f"run_dir={run}", f"target.name_or_path={tiny_llama_dir}", f"data.sources=[{corpus}]",
+              "data.max_samples=120", "data.regenerate.batch_size=16", "data.regenerate.max_new_tokens=8",
+              "data.max_length=96", "head.draft_vocab_size=64", "data.aux_layer_ids=[1,2,3]",
+              "target.dtype=float32"]
+    assert main(["budget", "--no-progress", "-r", QUICKSTART, "--budget", "20m", "--spent", "30", *common]) == 0
+    out = capsys.readouterr()
+    sized = json.loads((run / "budget.json").read_text())
+    # max_samples was set by the user: only the epochs are sized, and printed for the stages
+    assert out.out.split() == sized["overrides"] == ["train.epochs=4"]
+    assert "estimated" in out.err and sized["spent_before_s"] == 30
+    r = sized["rates"]
+    assert r["probe_conversations"] == 16 and r["regen_batch_s"] > 0 and r["step_s"] > 0
+    assert r["decode_s_per_token"] > 0 and r["samples_per_step"] >= 1 and r["sample_tokens"] > 10
+    regenerated = run / "prepared" / "regenerated.jsonl"
+    probe_records = regenerated.read_text().splitlines()
+    assert len(probe_records) == 16
+    # a rerun with the same budget reuses the sizing instead of measuring again
+    caplog.clear()
+    with caplog.at_level("INFO", logger="eyas.budget"):
+        assert main(["budget", "--no-progress", "-r", QUICKSTART, "--budget", "20m", *common]) == 0
+    assert "using the sizing" in caplog.text
+    assert regenerated.read_text().splitlines() == probe_records
+    # prepare continues after the probe's replies: each conversation regenerated once
+    assert main(["prepare", "--no-progress", "-r", QUICKSTART, *common, *sized["overrides"]]) == 0
+    lines = regenerated.read_text().splitlines()
+    assert lines[:16] == probe_records and len(lines) == 120
+    assert len({json.loads(x)["index"] for x in lines}) == 120
+    capsys.readouterr()
+    assert main(["budget", "-r", QUICKSTART, "--budget", "20m", "--report", "setup=30", "prepare=12.5",
+                 f"run_dir={run}"]) == 0
+    table = capsys.readouterr().out
+    assert "prepare" in table and "within the budget of 20 min" in table
+    assert json.loads((run / "budget.json").read_text())["took_s"] == {"setup": 30.0, "prepare": 12.5}
+
+
+def test_the_budget_needs_a_limit_to_size(tiny_llama_dir, tmp_path, capsys):
+    assert main(["budget", "-r", QUICKSTART, "--budget", "20m", f"run_dir={tmp_path}/run",
+                 f"target.name_or_path={tiny_llama_dir}", "data.max_samples=null"]) == 1
+    assert "data.max_samples" in capsys.readouterr().err
+    assert main(["budget", "-r", QUICKSTART, "--budget", "soon"]) == 2
+    assert "30m" in capsys.readouterr().err

@@ -1,0 +1,111 @@
+"""One training step of a recipe's draft head on synthetic features, at a target's shapes:
+what `scripts/bench_head_step.py` times on a GPU node and what the quickstart's time budget
+(eyas/budget.py) times on this machine before it sizes a run. No target weights are
+needed: the embeddings, LM head and features are random at a residual stream's scale, and
+the step is the trainer's own (labels from the LM head, the recipe's loss under its
+autocast, backward, clipping, AdamW).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+def synthetic_batch(b: int, t: int, vocab: int, aux_width: int, hidden: int, device, gen) -> dict:
+    """Right-padded [B, T] sequences, the last 60% of each real stretch in the loss mask;
+    aux [B, T, n·Ht] and last [B, T, Ht] in bf16 at a residual stream's scale."""
+    lengths = torch.randint(t // 2, t + 1, (b,), generator=gen)
+    lengths[0] = t
+    slots = torch.arange(t)[None]
+    am = (slots < lengths[:, None]).long()
+    loss = am * (slots >= (lengths[:, None] * 2) // 5).long()
+    return {
+        "input_ids": torch.randint(0, vocab, (b, t), generator=gen).to(device),
+        "attention_mask": am.to(device),
+        "loss_mask": loss.to(device),
+        "aux": (torch.randn(b, t, aux_width, generator=gen) * 4).to(device, torch.bfloat16),
+        "last": (torch.randn(b, t, hidden, generator=gen) * 4).to(device, torch.bfloat16),
+    }
+
+
+@dataclass
+class HeadStep:
+    """A built head and its step. `run(batch)` trains on one batch and returns its loss tokens."""
+
+    run: Callable[[dict], int]
+    head_config: object
+    head_params: int
+    target_dtype: torch.dtype
+    mixed_precision: str
+    aux_width: int
+
+
+def build_head_step(recipe, target_config, verifier: str, device, rows: int) -> HeadStep:
+    """The recipe's head over `target_config`'s dimensions and its training step on `device`;
+    `rows`: the tokens a step holds, which the bf16-or-float32 choice is timed at."""
+    from eyas.heads.layers import RMSNorm
+    from eyas.precision import resolve_dtype, resolve_mixed_precision, shapes_of_config
+    from eyas.train.algorithms import loss_function
+    from eyas.train.build import head_config_for, head_from_target_weights
+    from eyas.train.fastpath import draft_first_lm_head, valid_row_labels
+
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    freqs = torch.randint(1, 1000, (target_config.vocab_size,), generator=gen)
+    head_cfg = head_config_for(recipe, target_config, verifier=verifier, token_freqs=freqs)
+    ht, vt = target_config.hidden_size, target_config.vocab_size
+    embed = torch.randn(vt, ht, generator=gen) * 0.02
+    lm_head = torch.randn(vt, ht, generator=gen) * 0.02
+    head = head_from_target_weights(head_cfg, freqs, embed, lm_head, torch.ones(ht)).to(device)
+    # the frozen target's output the labels come from, in the target's dtype
+    shapes = shapes_of_config(target_config, rows)
+    target_dtype = getattr(torch, resolve_dtype(recipe.target.dtype, device, shapes))
+    norm = RMSNorm(ht, target_config.rms_norm_eps).to(device, target_dtype)
+    target_lm = draft_first_lm_head(lm_head.to(device, target_dtype), head.draft_token_ids())
+    del embed, lm_head
+    cfg = recipe.train
+    loss_fn = loss_function(head_cfg.algorithm)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=tuple(cfg.betas))
+    step_gen = torch.Generator(device=device).manual_seed(0)
+    head_shapes = shapes_of_config(target_config, rows, vocab=head_cfg.draft_vocab_size)
+    mixed_precision = resolve_mixed_precision(cfg.mixed_precision, device, head_shapes)
+
+    def run(batch: dict) -> int:
+        with torch.no_grad():
+            labels = valid_row_labels(batch["last"], norm, target_lm, batch["loss_mask"], batch["attention_mask"])
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16"):
+            stats = loss_fn(head, batch, labels, cfg, step_gen)
+        stats.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return int(stats.tokens)
+
+    return HeadStep(run, head_cfg, sum(p.numel() for p in head.parameters()), target_dtype, mixed_precision,
+                    len(head_cfg.aux_layer_ids) * ht)
+
+
+def time_head_steps(step: HeadStep, target_config, batch_size: int, seq: int, device, steps: int = 3,
+                    warmup: int = 2) -> list[float]:
+    """Seconds of each of `steps` steps on [batch_size, seq] synthetic batches, after
+    `warmup` untimed ones (the first steps compile)."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(1)
+    batches = [synthetic_batch(batch_size, seq, target_config.vocab_size, step.aux_width,
+                               target_config.hidden_size, device, gen) for _ in range(2)]
+    seconds = []
+    for i in range(warmup + steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step.run(batches[i % 2])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            seconds.append(time.perf_counter() - t0)
+    return seconds
