@@ -32,12 +32,16 @@ log = logging.getLogger(__name__)
 BUDGET_FILE = "budget.json"
 SIZED_KEYS = ("data.max_samples", "train.epochs")
 STAGES = ("prepare", "capture", "train", "export", "eval")
-MARGIN = 0.05  # of the budget, kept unallocated: the estimates are a few batches' worth
+MARGIN = 0.08  # of the budget, kept unallocated: the estimates are a few batches' worth
 # The share of the trained samples whose states the capture still computes when the
 # regeneration keeps its states (a reply re-encoded differently is run again); it is
 # counted as a full forward, the copies as free.
 UNCOPIED_SHARE = 0.15
-EVAL_PASSES = 2.0  # plain greedy + speculative decoding (the n-gram replay reuses the plain tokens)
+# plain greedy, then speculative decoding, which costs up to a third more than plain when
+# the head is weak (K drafts and a K+1-token verify per accepted token or two); the n-gram
+# replay reuses the plain tokens
+EVAL_PASSES = 2.3
+FEWEST_CONVERSATIONS = 0.25  # of the recipe's, before its epochs are cut
 
 
 class BudgetError(ValueError):
@@ -69,7 +73,9 @@ class Rates:
     samples_per_conversation: float  # rendered samples per regenerable conversation
     sample_tokens: float           # mean tokens of a rendered sample
     samples_per_step: float        # as the trainer packs them (batch_tokens, max_batch_size)
-    step_s: float                  # one training step at that batch
+    step_s: float                  # one first-epoch training step at that batch
+    later_step_s: float            # one step of a later epoch (labels from the draft rows only)
+    train_warmup_s: float          # what the first steps cost above that (the loss kernel's compile)
     capture_s_per_token: float     # a target forward with hidden states, per token
     decode_s_per_token: float      # plain batch-1 decoding at the eval's dtype
     stage_start_s: float           # what each stage spends before its work (imports, loading the target)
@@ -90,9 +96,10 @@ def estimate(rates: Rates, recipe, max_samples: int, epochs: float) -> dict[str,
     steps = math.ceil(train_samples * epochs / max(rates.samples_per_step, 1e-9) / tr.grad_accum) * tr.grad_accum
     if tr.max_steps is not None:
         steps = min(steps, tr.max_steps * tr.grad_accum)
+    first = min(steps, math.ceil(train_samples / max(rates.samples_per_step, 1e-9)))
     # held-out passes: forward only, about a third of a training step each
     evals = (steps // max(1, tr.eval_every * tr.grad_accum)) * tr.eval_batches * rates.step_s / 3
-    train = steps * rates.step_s + evals
+    train = rates.train_warmup_s + first * rates.step_s + (steps - first) * rates.later_step_s + evals
     if cfg.features == "online":  # the target runs inside the trainer, every epoch
         captured, train = 0.0, train + forward * epochs
     turns = 2 if recipe.eval.workload == "mtbench" else 1
@@ -141,8 +148,11 @@ def _most_epochs(rates, recipe, left, n: int, lo: float, hi: float) -> Optional[
 
 def choose(rates: Rates, recipe, left_s: float, fixed: tuple[str, ...] = ()) -> Choice:
     """The conversations and epochs that fit `left_s` seconds: the recipe's when they fit;
-    otherwise fewer conversations, down to half the recipe's; then fewer epochs, down to
-    one; then fewer conversations again, down to the probe's batch. A key in `fixed` (set
+    otherwise fewer conversations at the recipe's epochs, down to FEWEST_CONVERSATIONS of
+    the recipe's; then fewer epochs, down to one; then fewer conversations again, down to
+    the probe's batch. Epochs go last because an epoch replayed from the feature cache
+    costs a fraction of regenerating its conversations, and a head trained for fewer
+    epochs than its recipe's is undertrained (docs/experiments.md). A key in `fixed` (set
     by the user) keeps the recipe's value."""
     n0, e0 = recipe.data.max_samples, float(recipe.train.epochs)
     can_n, can_e = "data.max_samples" not in fixed, "train.epochs" not in fixed
@@ -152,20 +162,21 @@ def choose(rates: Rates, recipe, left_s: float, fixed: tuple[str, ...] = ()) -> 
                f"{left_s / 60:.1f} min are left for it"]
     n, e = n0, e0
     if full > left_s:
-        half = max(floor, n0 // 2) if can_n else n0
-        found = _most_samples(rates, recipe, left_s, half, n0, e0) if can_n else None
+        fewest = max(floor, round(n0 * FEWEST_CONVERSATIONS)) if can_n else n0
+        found = _most_samples(rates, recipe, left_s, fewest, n0, e0) if can_n else None
         if found is not None:
             n = found
             reasons.append(f"{n} conversations at the recipe's {e0:g} epochs fit (fewer conversations first, "
-                           f"down to half the recipe's)")
+                           f"down to {FEWEST_CONVERSATIONS:.0%} of the recipe's)")
         else:
-            n = half
+            n = fewest
             if can_e:
                 e = _most_epochs(rates, recipe, left_s, n, min(1.0, e0), e0) or min(1.0, e0)
             if can_n and not _fits(rates, recipe, left_s, n, e):
                 n = _most_samples(rates, recipe, left_s, floor, n, e) or floor
-            reasons.append(f"{n} conversations at {e:g} epochs (conversations down to half the recipe's, "
-                           f"then epochs down to one, then conversations again)")
+            reasons.append(f"{n} conversations at {e:g} epochs (conversations down to "
+                           f"{FEWEST_CONVERSATIONS:.0%} of the recipe's, then epochs down to one, then "
+                           "conversations again)")
         if not _fits(rates, recipe, left_s, n, e):
             total = sum(estimate(rates, recipe, n, e).values())
             reasons.append(f"the budget cannot be met: the smallest run sized here is estimated at "
@@ -245,13 +256,16 @@ def measure(recipe, progress: bool = True) -> Rates:
         target.model(input_ids=x, output_hidden_states=True, use_cache=False)
     capture_s_per_token = (time.perf_counter() - start) / (rows * seq)
     step = build_head_step(recipe, target.config, t.name_or_path, device, rows=recipe.train.batch_tokens)
-    step_s = sorted(time_head_steps(step, target.config, len(typical), seq, device, steps=3, warmup=2))[1]
+    times = time_head_steps(step, target.config, len(typical), seq, device, steps=3, warmup=2)
+    step_s, later_step_s = sorted(times.first_epoch)[1], sorted(times.later_epoch)[1]
+    train_warmup_s = max(0.0, sum(times.warmup) - len(times.warmup) * step_s)
     del step
     decode_s = _decode_seconds_per_token(recipe, target, tok, samples[0], greedy_decode)
     return Rates(conversations_read=read, regenerable=round(fits_share * len(conversations)),
                  probe_conversations=len(probe) if rg.enabled else 0, regen_batch_s=regen_s,
                  samples_per_conversation=len(ids) / len(probe), sample_tokens=sum(lengths) / len(lengths),
-                 samples_per_step=len(ids) / len(packed), step_s=step_s, capture_s_per_token=capture_s_per_token,
+                 samples_per_step=len(ids) / len(packed), step_s=step_s, later_step_s=later_step_s,
+                 train_warmup_s=train_warmup_s, capture_s_per_token=capture_s_per_token,
                  decode_s_per_token=decode_s, stage_start_s=stage_start + 5.0)
 
 

@@ -28,6 +28,7 @@ def rates(speed: float = 1.0) -> Rates:
     """Rates of a machine `speed` times slower than a quickstart-like one."""
     return Rates(conversations_read=5400, regenerable=4000, probe_conversations=256, regen_batch_s=35.0 * speed,
                  samples_per_conversation=0.98, sample_tokens=185.0, samples_per_step=7.9, step_s=0.37 * speed,
+                 later_step_s=0.30 * speed, train_warmup_s=5.0 * speed,
                  capture_s_per_token=1.2e-4 * speed, decode_s_per_token=0.044 * speed, stage_start_s=10.0)
 
 
@@ -46,7 +47,11 @@ def test_estimates_grow_with_conversations_and_epochs(recipe):
     more = estimate(r, recipe, 4000, 2)
     longer = estimate(r, recipe, 2000, 4)
     assert more["prepare"] > base["prepare"] and more["train"] > base["train"]
-    assert longer["prepare"] == base["prepare"] and longer["train"] > 1.8 * (base["train"] - 10.0)
+    assert longer["prepare"] == base["prepare"] and longer["train"] > 1.5 * (base["train"] - 15.0)
+    # later epochs cost their own (cheaper) step
+    slower_later = estimate(replace(r, later_step_s=r.step_s), recipe, 2000, 4)
+    assert slower_later["train"] > longer["train"] and estimate(replace(r, later_step_s=r.step_s), recipe, 2000, 1) \
+        == estimate(r, recipe, 2000, 1)
     assert base["eval"] == more["eval"] > 0
     # the probe's batch is already regenerated: prepare does the rest only
     assert estimate(r, recipe, 5400, 4)["prepare"] == pytest.approx(10.0 + (4000 - 256) / 256 * 35.0)
@@ -63,34 +68,35 @@ def test_a_slower_machine_reads_fewer_conversations_first(recipe):
     r = rates(speed=1.5)
     left = total(rates(), recipe, 5400, 4)  # what the recipe takes at speed 1
     c = choose(r, recipe, left)
-    assert c.epochs == 4.0 and 2700 <= c.max_samples < 5400
+    assert c.epochs == 4.0 and 1350 <= c.max_samples < 5400
     assert sum(c.estimates.values()) <= left
     assert total(r, recipe, c.max_samples + 100, 4) > left  # not needlessly small
     assert any("fewer conversations first" in x for x in c.reasons)
 
 
 def test_a_much_slower_machine_then_trains_fewer_epochs(recipe):
-    r = rates(speed=2.0)
+    r = rates(speed=3.0)
     left = total(rates(), recipe, 5400, 4)
     c = choose(r, recipe, left)
-    assert c.max_samples == 2700 and 1.0 <= c.epochs < 4.0
+    # conversations down to a quarter of the recipe's before an epoch goes
+    assert c.max_samples == 1350 and 1.0 <= c.epochs < 4.0
     assert sum(c.estimates.values()) <= left
     assert c.epochs * 4 == int(c.epochs * 4)  # quarters
 
 
 def test_an_impossible_budget_is_said(recipe):
     c = choose(rates(speed=50.0), recipe, left_s=300)
-    assert c.epochs == 1.0 and c.max_samples <= 2700
+    assert c.epochs == 1.0 and c.max_samples <= 1350
     assert any("cannot be met" in x for x in c.reasons)
 
 
 def test_keys_the_user_set_are_kept(recipe):
-    r = rates(speed=2.0)
+    r = rates(speed=3.0)
     left = total(rates(), recipe, 5400, 4)
     c = choose(r, recipe, left, fixed=("data.max_samples",))
     assert c.max_samples == 5400 and c.epochs < 4.0
     c = choose(r, recipe, left, fixed=("train.epochs",))
-    assert c.epochs == 4.0 and c.max_samples < 2700
+    assert c.epochs == 4.0 and c.max_samples < 1350
 
 
 def test_the_report_sets_each_stage_against_its_estimate_and_share():
