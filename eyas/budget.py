@@ -194,7 +194,7 @@ def measure(recipe, progress: bool = True) -> Rates:
     from eyas.data.conversations import DropReport
     from eyas.data.prepare import gather_conversations, regeneration_kwargs, render_all
     from eyas.data.regenerate import before_first_reply, done_records, regenerate
-    from eyas.data.targets import load_target
+    from eyas.data.targets import load_target, resolve_target_path
     from eyas.data.templates import prompt_ids
     from eyas.eval.speculate import greedy_decode
     from eyas.train.batching import pack_group
@@ -206,6 +206,7 @@ def measure(recipe, progress: bool = True) -> Rates:
     if rg.enabled and rg.backend != "hf":
         raise BudgetError("the time budget measures in-process regeneration (data.regenerate.backend=hf); "
                           "with a serving engine, size data.max_samples yourself")
+    resolve_target_path(t.name_or_path)  # a once-per-machine conversion is no stage's start-up cost
     t0 = time.perf_counter()
     conversations, _ = gather_conversations(cfg)
     read = min(cfg.max_samples, len(conversations))

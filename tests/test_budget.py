@@ -157,3 +157,24 @@ def test_the_budget_needs_a_limit_to_size(tiny_llama_dir, tmp_path, capsys):
     assert "data.max_samples" in capsys.readouterr().err
     assert main(["budget", "-r", QUICKSTART, "--budget", "soon"]) == 2
     assert "30m" in capsys.readouterr().err
+
+
+def test_stdout_holds_only_the_overrides_whatever_the_probe_prints(monkeypatch, capfd, tmp_path):
+    """The quickstart passes each stdout line to every stage as an override: a library's
+    notice printed during the probe (DeepSpeed writes one to fd 1) must not get there."""
+    import os
+    import sys
+
+    import eyas.budget
+
+    def noisy(recipe, budget_s, spent_s, fixed, progress=True):
+        print("[WARNING] Setting accelerator to CPU.")
+        sys.stdout.flush()
+        os.write(1, b"raw notice on fd 1\n")
+        return {"overrides": ["data.max_samples=1350", "train.epochs=1.5"], "reasons": ["estimated 21.7 min"]}
+
+    monkeypatch.setattr(eyas.budget, "size_run", noisy)
+    assert main(["budget", "--no-progress", "-r", QUICKSTART, "--budget", "30m", f"run_dir={tmp_path}"]) == 0
+    out, err = capfd.readouterr()
+    assert out.splitlines() == ["data.max_samples=1350", "train.epochs=1.5"]
+    assert "Setting accelerator to CPU" in err and "raw notice on fd 1" in err

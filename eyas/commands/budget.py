@@ -17,7 +17,9 @@ examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 
 from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
@@ -47,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe_from_args(args, writes="prepare")
     fixed = tuple(k for k in SIZED_KEYS if any(o.split("=", 1)[0] == k for o in args.overrides))
     try:
-        sized = size_run(recipe, budget_s, args.spent, fixed, progress=not args.no_progress)
+        with _stdout_to_stderr():
+            sized = size_run(recipe, budget_s, args.spent, fixed, progress=not args.no_progress)
     except BudgetError as err:
         print(f"eyas budget: {err}", file=sys.stderr)
         return 1
@@ -59,6 +62,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("\n".join(sized["overrides"]))
     return 0
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Stdout is this command's answer (the quickstart reads it line by line): while the
+    probe runs, whatever the libraries print there (DeepSpeed's accelerator notice, from
+    its own handler on fd 1) goes to stderr instead."""
+    sys.stdout.flush()
+    saved_fd, saved = os.dup(1), sys.stdout
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+        sys.stdout = saved
 
 
 def _report(args: argparse.Namespace, budget_s: float) -> int:
