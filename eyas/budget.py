@@ -93,10 +93,11 @@ def estimate(rates: Rates, recipe, max_samples: int, epochs: float) -> dict[str,
     forward = tokens * rates.capture_s_per_token
     captured = forward * (UNCOPIED_SHARE if cfg.regenerate.enabled and cfg.regenerate.keep_states else 1.0)
     train_samples = samples * (1 - cfg.eval_fraction)
-    steps = math.ceil(train_samples * epochs / max(rates.samples_per_step, 1e-9) / tr.grad_accum) * tr.grad_accum
+    per_epoch = train_samples / max(rates.samples_per_step, 1e-9)
+    steps = math.ceil(per_epoch * epochs / tr.grad_accum) * tr.grad_accum
     if tr.max_steps is not None:
         steps = min(steps, tr.max_steps * tr.grad_accum)
-    first = min(steps, math.ceil(train_samples / max(rates.samples_per_step, 1e-9)))
+    first = min(steps, math.ceil(per_epoch))  # the first epoch's steps multiply the whole LM head
     # held-out passes: forward only, about a third of a training step each
     evals = (steps // max(1, tr.eval_every * tr.grad_accum)) * tr.eval_batches * rates.step_s / 3
     train = rates.train_warmup_s + first * rates.step_s + (steps - first) * rates.later_step_s + evals
