@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 from eyas.assets import packaged_file
+from eyas.data.humaneval import HUMANEVAL_SPLITS, humaneval_rows, is_humaneval
 from eyas.hub_ids import looks_like_hub_id
 
 log = logging.getLogger(__name__)
@@ -271,6 +272,9 @@ def _turns_of(row: dict) -> list:
 
 def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
     """Raw rows of one source: an alias, a .json/.jsonl file, a dataset dir, or a `datasets` name."""
+    if is_humaneval(source):
+        yield from humaneval_rows(source)
+        return
     path = sharegpt_path() if source == SHAREGPT_ALIAS else Path(source)
     if path.is_file():
         with open(path, encoding="utf-8", errors="surrogateescape") as f:
@@ -284,7 +288,8 @@ def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
 
     if not path.exists() and not looks_like_hub_id(source):
         raise NoUsableDataError(f"{source!r}: no such file or directory (a Hub dataset is named "
-                                f"org/name; the shipped alias is {SHAREGPT_ALIAS!r})")
+                                f"org/name; the shipped aliases are {SHAREGPT_ALIAS!r} and "
+                                f"{', '.join(map(repr, HUMANEVAL_SPLITS))})")
     if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         ds = datasets.load_from_disk(str(path))
     else:

@@ -77,6 +77,11 @@ def prompt_from_row(row: Any, index: int) -> Optional[WorkloadPrompt]:
 def _raw_rows(source: str):
     from eyas.data.conversations import DropReport, iter_raw_rows, looks_like_hub_id
 
+    from eyas.data.humaneval import is_humaneval
+
+    if is_humaneval(source):
+        yield from iter_raw_rows(source, DropReport())
+        return
     path = mtbench_path() if source == MTBENCH_ALIAS else Path(source)
     if path.is_file():
         try:
@@ -98,7 +103,7 @@ def _raw_rows(source: str):
         return
     if not path.exists() and not looks_like_hub_id(source):
         raise WorkloadError(f"workload {source!r}: no such file or directory (the shipped workload is "
-                            f"{MTBENCH_ALIAS!r}; a Hub dataset is named org/name)")
+                            f"{MTBENCH_ALIAS!r}, code prompts 'humaneval:test'; a Hub dataset is named org/name)")
     yield from iter_raw_rows(source, DropReport())
 
 

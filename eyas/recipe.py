@@ -138,6 +138,12 @@ class TrainSection(_Section):
     """The training loop (DESIGN §2.4)."""
 
     seed: int = 0
+    # A head to start from instead of a fresh one (DESIGN §5.2): a directory or a Hub id
+    # holding an eyas checkpoint, an export or a published head. Its architecture and draft
+    # vocabulary are kept (recipe head fields that contradict them are refused); the
+    # optimizer and the warmup start afresh. An EAGLE-3 head may start a P-EAGLE one.
+    init_from: Optional[str] = None
+    init_from_revision: Optional[str] = None
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     freeze_lm_head: bool = False  # keep the LM head rows copied from the target

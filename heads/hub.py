@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from eyas.heads.export import CONFIG_NAME, WEIGHTS_NAME, serve_command
-from eyas.heads.load_export import config_from_export, detect_format, read_config
+from eyas.heads.load_export import detect_format, export_config
 from eyas.hub_ids import looks_like_hub_id
 
 log = logging.getLogger(__name__)
@@ -100,8 +100,7 @@ def model_card(head_dir: str | Path, repo_id: str, eval_report: str | Path | Non
     (eval_report.json in the dir, or `eval_report`), and the vLLM command."""
     d = Path(head_dir)
     fmt = detect_format(d)
-    raw = read_config(d / CONFIG_NAME)
-    cfg = config_from_export(raw, fmt)
+    cfg = export_config(d)
     target = cfg.verifier_name_or_path or "unknown"
     algo = ALGORITHM_NAMES[cfg.algorithm]
     vocab = (f"{cfg.draft_vocab_size} of {cfg.vocab_size} target tokens (d2t/t2d map)"
@@ -234,7 +233,7 @@ def plan_push(head_dir: str | Path, repo_id: str, private: bool = False, revisio
         if not (d / name).is_file():
             raise PushError(f"{d / name} is missing; push an exported head (eyas export)")
         files.append((name, d / name))
-    verifier = config_from_export(read_config(d / CONFIG_NAME), detect_format(d)).verifier_name_or_path
+    verifier = export_config(d).verifier_name_or_path
     if not verifier or not looks_like_hub_id(verifier):
         raise PushError(f"{d / CONFIG_NAME} names the verifier {verifier!r}, not a Hub id: `vllm serve {repo_id}` "
                         "could not find the target. Set target.hub_id in the recipe to the target's Hub id "

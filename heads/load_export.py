@@ -5,127 +5,60 @@
 
 from __future__ import annotations
 
-import json
+import logging
 from pathlib import Path
-from typing import Literal
+from typing import Optional
 
 import torch
-from safetensors.torch import load_file
 
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
-from eyas.heads.export import CONFIG_NAME, WEIGHTS_NAME, ExportFormatError
-from eyas.heads.io import CONFIG_NAME as EYAS_CONFIG, load_head
+from eyas.heads.export import ExportFormatError
+from eyas.heads.head_dir import TargetFacts, canonical_tensor_name, detect_format, read_config, read_head_dir  # noqa: F401
+from eyas.heads.io import load_head
 from eyas.heads.peagle import build_head
+from eyas.heads.validate import ExportValidationError, inspect_export
+
+log = logging.getLogger(__name__)
 
 
-def detect_format(head_dir: str | Path) -> Literal["eyas", "speculators", "eagle"]:
-    """Which layout a head directory holds."""
-    d = Path(head_dir)
-    if (d / EYAS_CONFIG).is_file():
-        return "eyas"
-    cfg_path = d / CONFIG_NAME
-    if not cfg_path.is_file():
-        raise ExportFormatError(f"{d}: no {EYAS_CONFIG} or {CONFIG_NAME}; not a head directory")
-    raw = read_config(cfg_path)
-    if raw.get("speculators_config") is not None or "speculators_model_type" in raw:
-        return "speculators"
-    if any("Eagle3" in a for a in raw.get("architectures") or []):
-        return "eagle"
-    raise ExportFormatError(f"{cfg_path}: neither a speculators config nor an EAGLE-3 config "
-                            f"(architectures {raw.get('architectures')})")
-
-
-def read_config(path: str | Path) -> dict:
-    try:
-        raw = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as err:
-        raise ExportFormatError(f"{path}: not valid JSON: {err}") from None
-    if not isinstance(raw, dict):
-        raise ExportFormatError(f"{path}: a config must be a JSON object")
-    return raw
-
-
-def read_tensors(head_dir: str | Path) -> dict[str, torch.Tensor]:
-    """model.safetensors (or a legacy pytorch_model.bin, read with weights_only)."""
-    d = Path(head_dir)
-    if (d / WEIGHTS_NAME).is_file():
-        return load_file(str(d / WEIGHTS_NAME))
-    legacy = d / "pytorch_model.bin"
-    if legacy.is_file():
-        return torch.load(legacy, map_location="cpu", weights_only=True)
-    raise ExportFormatError(f"{d}: no {WEIGHTS_NAME}")
-
-
-def _rope_theta(layer: dict) -> float:
-    params = layer.get("rope_parameters") or {}
-    return float(params.get("rope_theta", layer.get("rope_theta", 10000.0)))
-
-
-def config_from_export(raw: dict, fmt: Literal["speculators", "eagle"], tensors: dict | None = None) -> DraftHeadConfig:
-    """Rebuild a `DraftHeadConfig` from a serving config. Published heads lack the `eyas`
-    block: the target's layer count then defaults to the largest aux id + 1, and a
-    missing aux-id list (original EAGLE heads) is an error naming the file's keys."""
-    layer = raw["transformer_layer_config"] if fmt == "speculators" else raw
-    eyas = raw.get("eyas") or {}
-    eagle = raw.get("eagle_config") or {}
-    aux = raw.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
-    if not aux:
-        raise ExportFormatError("the config names no eagle_aux_hidden_state_layer_ids; the target layers "
-                                "feeding the head are unknown")
-    if fmt == "speculators":
-        spec = raw["speculators_config"]
-        algorithm = raw["speculators_model_type"]
-        k = spec["proposal_methods"][0]["speculative_tokens"]
-        verifier = spec["verifier"]
-        verifier_path, archs = verifier.get("name_or_path"), verifier.get("architectures")
-    else:
-        algorithm = eyas.get("algorithm", "peagle" if "mask_token_id" in raw else "eagle3")
-        k = eyas.get("speculative_tokens", 5)
-        verifier_path, archs = eyas.get("verifier_name_or_path"), eyas.get("target_architectures")
-    hidden = layer["hidden_size"]
-    heads = layer["num_attention_heads"]
-    vocab = layer["vocab_size"]
+def config_from_fields(f: dict) -> DraftHeadConfig:
+    """A `DraftHeadConfig` from the fields `read_head_dir` normalised (no problems left)."""
     return DraftHeadConfig(
-        algorithm=algorithm,
-        hidden_size=hidden,
-        target_hidden_size=raw.get("target_hidden_size") or hidden,
-        num_attention_heads=heads,
-        num_key_value_heads=layer.get("num_key_value_heads") or heads,
-        head_dim=layer.get("head_dim") or hidden // heads,
-        intermediate_size=layer["intermediate_size"],
-        num_hidden_layers=layer.get("num_hidden_layers", 1),
-        rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
-        rope_theta=_rope_theta(layer),
-        max_position_embeddings=layer.get("max_position_embeddings", 4096),
-        vocab_size=vocab,
-        draft_vocab_size=raw.get("draft_vocab_size") or vocab,
-        aux_layer_ids=list(aux),
-        target_num_layers=eyas.get("target_num_layers", max(aux) + 1),
-        norm_before_residual=bool(raw.get("norm_before_residual", algorithm == "eagle3")),
-        norm_before_fc=bool(raw.get("norm_before_fc", eagle.get("norm_before_fc", False))),
-        fc_norm=bool(raw.get("fc_norm", layer.get("fc_norm", False))),
-        norm_output=bool(raw.get("norm_output", layer.get("norm_output", False))),
-        mask_token_id=raw.get("mask_token_id", raw.get("ptd_token_id")),
-        speculative_tokens=k,
-        target_model_type=eyas.get("target_model_type", "llama"),
-        target_architectures=list(archs or ["LlamaForCausalLM"]),
-        verifier_name_or_path=verifier_path,
+        algorithm=f["algo"], hidden_size=f["h"], target_hidden_size=f["ht"], num_attention_heads=f["heads"],
+        num_key_value_heads=f["kv"], head_dim=f["hd"], intermediate_size=f["inter"], num_hidden_layers=f["layers"],
+        rms_norm_eps=f["rms_norm_eps"], rope_theta=f["rope_theta"],
+        max_position_embeddings=f["max_position_embeddings"], vocab_size=f["vt"], draft_vocab_size=f["vd"],
+        aux_layer_ids=list(f["aux"]), target_num_layers=f["target_num_layers"],
+        norm_before_residual=f["norm_before_residual"], norm_before_fc=f["before_fc"], fc_norm=f["fc_norm"],
+        norm_output=f["norm_output"], mask_token_id=f["mask_id"], speculative_tokens=f["k"] or 5,
+        target_model_type=f["target_model_type"],
+        target_architectures=list(f["target_architectures"] or ["LlamaForCausalLM"]),
+        verifier_name_or_path=f["verifier"],
     )
 
 
-def _canonical_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, t in state.items():
-        if name.startswith("model."):  # some trainers save with the HF prefix
-            name = name[len("model."):]
-        if name.startswith("midlayer."):
-            name = "layers.0." + name[len("midlayer."):]
+def export_config(head_dir: str | Path, target: Optional[TargetFacts] = None) -> DraftHeadConfig:
+    """The head config of an export directory, from its config.json alone (no tensors)."""
+    hd = read_head_dir(head_dir, target)
+    if hd.problems:
+        raise ExportValidationError(head_dir, hd.problems)
+    return config_from_fields(hd.fields)
+
+
+def _head_state(tensors: dict[str, torch.Tensor], cfg: DraftHeadConfig) -> dict[str, torch.Tensor]:
+    state = {}
+    for name, t in tensors.items():
+        name = canonical_tensor_name(name)
         parts = name.split(".")
         if len(parts) == 4 and parts[0] == "layers" and parts[1] != "0" and parts[2] == "hidden_norm":
             continue  # built but unused by vLLM in layers >= 1; our layers have none
-        out[name] = t
-    return out
+        state[name] = t
+    if cfg.uses_vocab_map and "t2d" not in state:  # vLLM needs only d2t; t2d follows from it
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(cfg.draft_vocab_size) + state["d2t"].long()] = True
+        state["t2d"] = t2d
+    return state
 
 
 def load_exported_head(
@@ -133,20 +66,23 @@ def load_exported_head(
     target_embed: torch.Tensor | None = None,
     device="cpu",
     dtype: torch.dtype | None = None,
+    target: Optional[TargetFacts] = None,
 ) -> Eagle3Head:
-    """An `Eagle3Head` / `PEagleHead` from a speculators or EAGLE-format directory.
+    """An `Eagle3Head` / `PEagleHead` from a speculators or EAGLE-format directory, read
+    as `eyas export --check` reads it (a head it reports problems with is refused, with
+    the same list); `target` holds the verifier's facts when the caller has its config.
 
     The head's floats take the stored dtype (or `dtype`). Without `embed_tokens.weight`
     in the file, `target_embed` [Vt, Ht] fills the frozen embedding."""
-    fmt = detect_format(head_dir)
-    if fmt == "eyas":
+    hd, tensors = inspect_export(head_dir, target)
+    if hd.layout == "eyas":
         raise ExportFormatError(f"{head_dir} is an eyas checkpoint; use load_any_head or heads.io.load_head")
-    raw = read_config(Path(head_dir) / CONFIG_NAME)
-    state = _canonical_names(read_tensors(head_dir))
-    try:
-        cfg = config_from_export(raw, fmt, state)
-    except (KeyError, ValueError) as err:
-        raise ExportFormatError(f"{Path(head_dir) / CONFIG_NAME}: cannot build the head config: {err}") from None
+    if hd.problems:
+        raise ExportValidationError(head_dir, hd.problems)
+    for note in hd.notes:
+        log.warning("%s: %s", head_dir, note)
+    cfg = config_from_fields(hd.fields)
+    state = _head_state(tensors, cfg)
     head = build_head(cfg)
     float_dtype = dtype or (state["fc.weight"].dtype if "fc.weight" in state else torch.float32)
     head.to(float_dtype)
@@ -173,9 +109,10 @@ def load_any_head(
     target_embed: torch.Tensor | None = None,
     device="cpu",
     dtype: torch.dtype | None = None,
+    target: Optional[TargetFacts] = None,
 ) -> Eagle3Head:
     """Load an eyas checkpoint, a speculators export or an EAGLE-format export."""
     if detect_format(head_dir) == "eyas":
         head = load_head(head_dir, target_embed, device)
         return head.to(dtype) if dtype is not None else head
-    return load_exported_head(head_dir, target_embed, device, dtype)
+    return load_exported_head(head_dir, target_embed, device, dtype, target)

@@ -13,12 +13,9 @@ from typing import Optional
 
 import torch
 
-from eyas.heads.export import CONFIG_NAME, WEIGHTS_NAME, ExportFormatError
-from eyas.heads.load_export import read_config, read_tensors
+from eyas.heads.export import ExportFormatError
+from eyas.heads.head_dir import HeadDir, TargetFacts, _is_int, canonical_tensor_name, read_head_dir, read_tensors
 
-LAYER_CONFIG_KEYS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "intermediate_size", "num_hidden_layers", "rms_norm_eps", "max_position_embeddings",
-                     "vocab_size")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -29,119 +26,6 @@ class ExportValidationError(ValueError):
         self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"{head_dir}: {len(problems)} problem(s) with the exported head:\n{lines}")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check_config(raw: dict, fmt: str, problems: list[str]) -> dict:
-    """Config-level checks; returns the fields the tensor checks need (missing ones None)."""
-    if fmt == "speculators":
-        if "model_type" in raw:
-            problems.append("config.json has a top-level model_type; the speculators format must not "
-                            "(vLLM would not detect it as a speculators head)")
-        algo = raw.get("speculators_model_type")
-        if algo not in ("eagle3", "peagle"):
-            problems.append(f"speculators_model_type is {algo!r}, expected 'eagle3' or 'peagle'")
-        if not raw.get("speculators_version"):
-            problems.append("speculators_version is missing")
-        if not isinstance(raw.get("architectures"), list) or not raw.get("architectures"):
-            problems.append("architectures is missing or not a non-empty list")
-        layer = raw.get("transformer_layer_config")
-        if not isinstance(layer, dict):
-            problems.append("transformer_layer_config is missing or not an object")
-            layer = {}
-        _check_speculators_block(raw.get("speculators_config"), algo, problems)
-    else:
-        layer = raw
-        eyas = raw.get("eyas") or {}
-        algo = eyas.get("algorithm", "peagle" if "mask_token_id" in raw else "eagle3")
-    for key in LAYER_CONFIG_KEYS:
-        if key not in layer:
-            problems.append(f"transformer_layer_config.{key} is missing")
-    if "rope_theta" not in layer and "rope_parameters" not in layer:
-        problems.append("transformer_layer_config has no rope settings (rope_theta / rope_parameters)")
-    if layer.get("model_type", "llama") not in ("llama", "qwen3"):
-        problems.append(f"transformer_layer_config.model_type is {layer.get('model_type')!r}; vLLM serves llama or qwen3 heads")
-
-    h, vt = layer.get("hidden_size"), layer.get("vocab_size")
-    heads, kv, hd = layer.get("num_attention_heads"), layer.get("num_key_value_heads"), layer.get("head_dim")
-    vd = raw.get("draft_vocab_size")
-    if not _is_int(vd) or vd <= 0:
-        problems.append(f"draft_vocab_size is {vd!r}, expected a positive integer")
-        vd = None
-    elif _is_int(vt) and vd > vt:
-        problems.append(f"draft_vocab_size {vd} exceeds the target vocabulary (vocab_size {vt})")
-    ht = raw.get("target_hidden_size")
-    if not _is_int(ht):
-        problems.append(f"target_hidden_size is {ht!r}, expected an integer")
-        ht = None
-    if not isinstance(raw.get("norm_before_residual"), bool):
-        problems.append("norm_before_residual is not written (its default differs between vLLM's eagle3 and peagle readers)")
-    fc_norm, before_fc = bool(raw.get("fc_norm") or layer.get("fc_norm")), bool(raw.get("norm_before_fc"))
-    if fc_norm and before_fc:
-        problems.append("fc_norm and norm_before_fc are both set; they exclude each other")
-
-    aux = raw.get("eagle_aux_hidden_state_layer_ids")
-    n_aux = None
-    target_layers = (raw.get("eyas") or {}).get("target_num_layers")
-    if not isinstance(aux, list) or not aux or not all(_is_int(i) for i in aux):
-        problems.append(f"eagle_aux_hidden_state_layer_ids is {aux!r}, expected a non-empty list of integers at the top level")
-    else:
-        n_aux = len(aux)
-        if any(b <= a for a, b in zip(aux, aux[1:])):
-            problems.append(f"eagle_aux_hidden_state_layer_ids {aux} are not strictly ascending")
-        if aux[0] < 0:
-            problems.append(f"eagle_aux_hidden_state_layer_ids {aux} has a negative id")
-        if _is_int(target_layers) and aux[-1] >= target_layers:
-            problems.append(f"eagle_aux_hidden_state_layer_ids {aux} fall outside the target's {target_layers} layers "
-                            f"(ids index decoder layers 0..{target_layers - 1})")
-        declared = layer.get("num_aux_hidden_states")
-        if declared is None and n_aux != 3:
-            problems.append(f"{n_aux} aux layers but transformer_layer_config.num_aux_hidden_states is missing "
-                            "(vLLM then assumes 3)")
-        elif declared is not None and declared != n_aux:
-            problems.append(f"num_aux_hidden_states {declared} != {n_aux} eagle_aux_hidden_state_layer_ids")
-
-    mask_id = None
-    if algo == "peagle":
-        mask_id = raw.get("mask_token_id")
-        if not _is_int(mask_id):
-            problems.append(f"P-EAGLE config has mask_token_id {mask_id!r}, expected an integer")
-            mask_id = None
-        elif _is_int(vt) and not 0 <= mask_id < vt:
-            problems.append(f"mask_token_id {mask_id} lies outside the vocabulary [0, {vt})")
-        if raw.get("ptd_token_id") != raw.get("mask_token_id"):
-            problems.append(f"ptd_token_id {raw.get('ptd_token_id')!r} != mask_token_id {raw.get('mask_token_id')!r} "
-                            "(vLLM 0.16 reads only ptd_token_id)")
-    return dict(algo=algo, h=h, vt=vt, vd=vd, ht=ht, heads=heads, kv=kv, hd=hd,
-                inter=layer.get("intermediate_size"), layers=layer.get("num_hidden_layers"), n_aux=n_aux,
-                fc_norm=fc_norm, before_fc=before_fc, mask_id=mask_id,
-                embedding_included=(raw.get("eyas") or {}).get("embedding_included"))
-
-
-def _check_speculators_block(spec, algo, problems: list[str]) -> None:
-    if not isinstance(spec, dict):
-        problems.append("speculators_config is missing or not an object")
-        return
-    if spec.get("algorithm") != algo:
-        problems.append(f"speculators_config.algorithm {spec.get('algorithm')!r} != speculators_model_type {algo!r}")
-    methods = spec.get("proposal_methods")
-    if not isinstance(methods, list) or not methods or not isinstance(methods[0], dict):
-        problems.append("speculators_config.proposal_methods is missing or empty")
-    else:
-        k = methods[0].get("speculative_tokens")
-        if not _is_int(k) or k < 1:
-            problems.append(f"proposal_methods[0].speculative_tokens is {k!r}, expected K >= 1")
-        types = [m.get("proposal_type") for m in methods if isinstance(m, dict)]
-        if spec.get("default_proposal_method") not in types:
-            problems.append(f"default_proposal_method {spec.get('default_proposal_method')!r} is not one of {types}")
-    verifier = spec.get("verifier")
-    if not isinstance(verifier, dict) or not verifier.get("name_or_path"):
-        problems.append("speculators_config.verifier.name_or_path is missing (vllm serve DIR loads this target)")
-    elif not isinstance(verifier.get("architectures"), list) or not verifier["architectures"]:
-        problems.append("speculators_config.verifier.architectures is missing")
 
 
 def expected_shapes(f: dict) -> dict[str, tuple[int, ...]]:
@@ -162,7 +46,7 @@ def expected_shapes(f: dict) -> dict[str, tuple[int, ...]]:
         if i == 0:
             shapes[p + "hidden_norm.weight"] = (h,)
     if vd != vt:
-        shapes.update({"d2t": (vd,), "t2d": (vt,)})
+        shapes["d2t"] = (vd,)  # vLLM reads only d2t; a t2d, when shipped, is checked (optional below)
     if f["fc_norm"]:
         shapes.update({f"fc_norm.{i}.weight": (ht,) for i in range(n)})
     if f["before_fc"]:
@@ -174,22 +58,20 @@ def expected_shapes(f: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _canonical(name: str) -> str:
-    return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
-
-
 def _check_tensors(tensors: dict[str, torch.Tensor], f: dict, problems: list[str]) -> None:
-    tensors = {_canonical(k): v for k, v in tensors.items()}
+    tensors = {canonical_tensor_name(k): v for k, v in tensors.items()}
     shapes = expected_shapes(f)
     optional = {"embed_tokens.weight": (f["vt"], f["h"])}  # a shipped embedding when H == Ht
     # vLLM builds hidden_norm in every layer and uses only layer 0's: published heads may ship them.
     optional.update({f"layers.{i}.hidden_norm.weight": (f["h"],) for i in range(1, f["layers"])})
+    if f["vd"] != f["vt"]:
+        optional["t2d"] = (f["vt"],)
     for name in sorted(tensors):
         if name in shapes or name in optional:
             continue
         if name.startswith("model."):
             problems.append(f"unexpected tensor {name}: names must not carry a 'model.' prefix")
-        elif name in ("d2t", "t2d"):
+        elif name in ("d2t", "t2d") and f["vd"] == f["vt"]:
             problems.append(f"unexpected tensor {name}: the draft vocabulary equals the target's "
                             f"(draft_vocab_size = vocab_size = {f['vt']}); vLLM rejects a {name} then")
         elif name.startswith("layers.") and name.split(".")[1].isdigit() and int(name.split(".")[1]) >= f["layers"]:
@@ -248,40 +130,32 @@ def _check_vocab_map(tensors: dict, f: dict, problems: list[str]) -> None:
             problems.append("t2d disagrees with d2t: some draft rows map to target ids t2d does not mark")
 
 
-def validate_export(head_dir: str | Path) -> list[str]:
-    """Every problem with an exported head directory (empty list: it is fine)."""
-    d = Path(head_dir)
-    problems: list[str] = []
-    cfg_path = d / CONFIG_NAME
-    if not cfg_path.is_file():
-        return [f"{cfg_path} is missing"]
+def inspect_export(head_dir: str | Path, target: Optional[TargetFacts] = None) -> tuple[HeadDir, dict]:
+    """The directory as read (`HeadDir`, every problem listed) and its tensors ({} when
+    they cannot be read). The one reading behind `--check`, push and import."""
+    hd = read_head_dir(head_dir, target)
+    if hd.layout == "eyas" or not hd.raw:
+        return hd, {}
     try:
-        raw = read_config(cfg_path)
+        tensors = read_tensors(hd.path)
     except ExportFormatError as err:
-        return [str(err)]
-    fmt = "speculators" if ("speculators_config" in raw or "speculators_model_type" in raw) else "eagle"
-    if fmt == "eagle" and not any("Eagle3" in a for a in raw.get("architectures") or []):
-        problems.append(f"config.json is neither a speculators config nor an EAGLE-3 config "
-                        f"(architectures {raw.get('architectures')})")
-    fields = _check_config(raw, fmt, problems)
-    try:
-        tensors = read_tensors(d)
-    except ExportFormatError:
-        problems.append(f"{d / WEIGHTS_NAME} is missing")
-        return problems
-    except Exception as err:  # a damaged file: name it
-        problems.append(f"{d / WEIGHTS_NAME} cannot be read: {err}")
-        return problems
+        hd.problems.append(str(err))
+        return hd, {}
     needed = ("h", "vt", "vd", "ht", "heads", "kv", "hd", "inter", "layers", "n_aux")
-    if all(_is_int(fields[k]) for k in needed):
-        _check_tensors(tensors, fields, problems)
+    if all(_is_int(hd.fields.get(k)) for k in needed):
+        _check_tensors(tensors, hd.fields, hd.problems)
     else:
-        problems.append("tensor shapes not checked: the config lacks the fields above")
-    return problems
+        hd.problems.append("tensor shapes not checked: the config lacks the fields above")
+    return hd, tensors
 
 
-def check_export(head_dir: str | Path) -> None:
+def validate_export(head_dir: str | Path, target: Optional[TargetFacts] = None) -> list[str]:
+    """Every problem with an exported head directory (empty list: it is fine)."""
+    return inspect_export(head_dir, target)[0].problems
+
+
+def check_export(head_dir: str | Path, target: Optional[TargetFacts] = None) -> None:
     """Raise `ExportValidationError` listing every problem, or return quietly."""
-    problems = validate_export(head_dir)
+    problems = validate_export(head_dir, target)
     if problems:
         raise ExportValidationError(head_dir, problems)

@@ -154,3 +154,17 @@ def test_low_accuracy_warning_reads_first_position_not_tar():
     warned = verdicts({"drafters": {"head": poor, "ngram": ngram}})
     assert any("12.0%" in w and "below 30%" in w for w in warned)
     assert any("does not beat prompt lookup" in w for w in warned)
+
+
+def test_humaneval_splits_are_disjoint_and_serve_as_data_and_workload():
+    from eyas.data.conversations import read_conversations
+    from eyas.eval.workloads import load_workload
+
+    test = load_workload("humaneval:test", None)
+    train, report = read_conversations(["humaneval:train"])
+    assert (len(test), len(train), report.kept) == (41, 123, 123)
+    test_prompts = {p.turns[0] for p in test}
+    train_prompts = {c[0]["content"] for c in train}
+    assert not test_prompts & train_prompts
+    assert len(test_prompts | train_prompts) == len(load_workload("humaneval", None)) == 164
+    assert all("```python" in p for p in test_prompts)

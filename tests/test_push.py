@@ -211,7 +211,7 @@ def test_card_names_local_data_by_file_name_and_missing_metrics_as_na(exported):
 def test_recipe_hub_id_is_the_verifier_of_a_head_trained_from_a_local_dir(tmp_path, tiny_llama_dir):
     from train_run_fixtures import prepare_run
 
-    from eyas.heads.load_export import config_from_export, detect_format, read_config
+    from eyas.heads.load_export import export_config
 
     recipe = prepare_run(tmp_path, tiny_llama_dir, "online", n=8, max_steps=1)
     run = str(recipe.run_dir)
@@ -224,7 +224,7 @@ def test_recipe_hub_id_is_the_verifier_of_a_head_trained_from_a_local_dir(tmp_pa
     assert main(["train", "--no-progress", "-r", str(path), *overrides]) == 0
     assert main(["export", "-r", str(path), *overrides]) == 0
     export = recipe.paths.export
-    assert config_from_export(read_config(export / "config.json"), detect_format(export)).verifier_name_or_path == \
+    assert export_config(export).verifier_name_or_path == \
         "someorg/tiny-llama"
     assert plan_push(export, "org/head").files  # pushable now
 

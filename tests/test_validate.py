@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from eyas.cli import main
 from eyas.heads.export import export_head
+from eyas.heads.load_export import load_exported_head
 from eyas.heads.validate import ExportValidationError, check_export, validate_export
 from test_export_helpers import random_head
 
@@ -83,9 +84,12 @@ BROKEN = {
                               None, ["speculative_tokens"]),
     "no verifier": (EAGLE, lambda c: c["speculators_config"]["verifier"].pop("name_or_path"), None,
                     ["verifier.name_or_path is missing"]),
-    "no norm_before_residual": (EAGLE, lambda c: c.pop("norm_before_residual"), None, ["norm_before_residual"]),
-    "aux ids only nested": (EAGLE, lambda c: c.pop("eagle_aux_hidden_state_layer_ids"), None,
-                            ["eagle_aux_hidden_state_layer_ids", "top level"]),
+    # vLLM's EAGLE-3 reader defaults it to False (a note); its P-EAGLE reader does not
+    "P-EAGLE without norm_before_residual": (PEAGLE, lambda c: c.pop("norm_before_residual"), None,
+                                             ["norm_before_residual"]),
+    "aux ids absent, target unknown": (EAGLE, lambda c: (c.pop("eagle_aux_hidden_state_layer_ids"),
+                                                         c["eyas"].pop("target_num_layers")), None,
+                                       ["eagle_aux_hidden_state_layer_ids absent", "not at hand"]),
     "fc_norm and norm_before_fc": (dict(EAGLE, fc_norm=True), lambda c: c.update(norm_before_fc=True), None,
                                    ["exclude each other", "missing tensor input_norm.weight"]),
     "two aux ids without num_aux_hidden_states": (
@@ -116,6 +120,9 @@ def test_broken_export_is_rejected_by_name(tmp_path, case):
         assert w in text, f"{case}: {w!r} not in\n{text}"
     with pytest.raises(ExportValidationError):
         check_export(d)
+    with pytest.raises(ExportValidationError) as err:  # import reads the directory the same way
+        load_exported_head(d, target_embed=torch.zeros(320, 64))
+    assert err.value.problems == problems
 
 
 def test_every_problem_is_listed_not_only_the_first(tmp_path):

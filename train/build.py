@@ -118,3 +118,129 @@ class HeadWithLoss(nn.Module):
 
     def forward(self, batch: dict, labels, generator=None):
         return self.loss_fn(self.head, batch, labels, self.train_cfg, generator)
+
+
+# --- starting from an existing head (train.init_from, DESIGN §5.2) --------------------
+
+# recipe head field -> the head config field it sets
+HEAD_SHAPE_FIELDS = {
+    "num_layers": "num_hidden_layers", "draft_vocab_size": "draft_vocab_size", "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size", "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_key_value_heads", "head_dim": "head_dim",
+    "norm_before_residual": "norm_before_residual", "norm_before_fc": "norm_before_fc", "fc_norm": "fc_norm",
+    "norm_output": "norm_output",
+}
+
+
+class InitFromError(ValueError):
+    """A `train.init_from` head the recipe contradicts or the target cannot feed."""
+
+
+def init_from_config(recipe, imported: DraftHeadConfig, target_config, source: str, verifier: str | None = None,
+                     tokenizer=None, token_freqs: torch.Tensor | None = None) -> DraftHeadConfig:
+    """The config of a run that starts from `imported`: its architecture, the recipe's
+    algorithm and K. A recipe head field set explicitly to another value is an error that
+    names both; so are aux layers the data is captured at but the head does not read."""
+    h = recipe.head
+    conflicts = [f"head.{key} = {getattr(h, key)!r}, but {source} has {field} = {getattr(imported, field)!r}"
+                 for key, field in HEAD_SHAPE_FIELDS.items()
+                 if key in h.model_fields_set and getattr(h, key) != getattr(imported, field)]
+    ids = recipe.data.aux_layer_ids
+    if ids and list(ids) != list(imported.aux_layer_ids):
+        conflicts.append(f"data.aux_layer_ids = {list(ids)}, but {source} reads target layers "
+                         f"{imported.aux_layer_ids}")
+    text = text_config(target_config)
+    for what, mine, theirs in (("hidden size", imported.target_hidden_size, text.hidden_size),
+                               ("vocabulary", imported.vocab_size, text.vocab_size)):
+        if mine != theirs:
+            conflicts.append(f"{source} was built for a target {what} of {mine}; this target's is {theirs}")
+    if imported.aux_layer_ids[-1] >= text.num_hidden_layers:
+        conflicts.append(f"{source} reads target layers {imported.aux_layer_ids}; this target has "
+                         f"{text.num_hidden_layers}")
+    if conflicts:
+        raise InitFromError("train.init_from: " + "; ".join(conflicts) + ". Drop those keys from the recipe "
+                            "(the head's own values are used) or train a fresh head")
+    mask_id = imported.mask_token_id
+    if h.algorithm == "peagle" and (imported.algorithm != "peagle" or h.mask_token_id is not None):
+        if imported.algorithm == "peagle" and h.mask_token_id != imported.mask_token_id:
+            raise InitFromError(f"train.init_from: head.mask_token_id = {h.mask_token_id}, but {source} trained "
+                                f"mask token {imported.mask_token_id}")
+        mask_id = choose_mask_token_id(tokenizer, text.vocab_size, explicit=h.mask_token_id, token_freqs=token_freqs)
+    if h.algorithm == "eagle3":
+        mask_id = None
+    return imported.model_copy(update=dict(
+        algorithm=h.algorithm, mask_token_id=mask_id, speculative_tokens=h.speculative_tokens,
+        target_num_layers=text.num_hidden_layers, target_model_type=text.model_type,
+        target_architectures=list(getattr(target_config, "architectures", None) or imported.target_architectures),
+        verifier_name_or_path=verifier or imported.verifier_name_or_path,
+    ))
+
+
+@torch.no_grad()
+def head_from_checkpoint(config: DraftHeadConfig, source: Eagle3Head, target_model: nn.Module) -> tuple[Eagle3Head, list[str]]:
+    """A float32 head of `config` holding `source`'s weights and draft vocabulary. What
+    `source` lacks (a P-EAGLE head's mask parameters, started from an EAGLE-3 head) is
+    initialised as for a fresh head; returns the head and the names started fresh."""
+    norm, lm_head = target_norm_and_lm_head(target_model)
+    embed = target_model.get_input_embeddings().weight
+    head = build_head(config).float()
+    head.init_from_target(embed.detach().float().cpu(), lm_head.weight.detach().float().cpu(),
+                          norm.weight.detach().float().cpu())
+    theirs = source.state_dict()
+    # A head that does not train its embedding serves with the target's, so only a head
+    # that trains one takes the source's own.
+    own_embedding = head.trains_embedding and (source.trains_embedding or getattr(source, "embedding_in_export", False))
+    fresh = []
+    for name, t in head.state_dict().items():
+        if name == "embed_tokens.weight" and not own_embedding:
+            continue  # the target's, already copied
+        if name in theirs and theirs[name].shape == t.shape:
+            t.copy_(theirs[name].to(t.dtype))
+        else:
+            fresh.append(name)
+    if config.algorithm == "peagle" and source.config.algorithm != "peagle" and own_embedding:
+        head.embed_tokens.weight[config.mask_token_id] = head.embed_tokens.weight.mean(0)
+    return head, fresh
+
+
+def draft_vocab_coverage(head: Eagle3Head, freqs: torch.Tensor | None) -> float | None:
+    """The share of the data's trained tokens [Vt counts] the head's draft vocabulary holds."""
+    if freqs is None:
+        return None
+    counts = fit_frequencies(freqs, head.config.vocab_size).double()
+    total = float(counts.sum())
+    if total == 0:
+        return None
+    if not head.config.uses_vocab_map:
+        return 1.0
+    return float(counts[head.t2d.cpu()].sum()) / total
+
+
+def initial_head(recipe, target, freqs: torch.Tensor | None, verifier: str | None) -> tuple[Eagle3Head, DraftHeadConfig]:
+    """The head a run starts from: `train.init_from`'s weights when it names one, else a
+    fresh head shaped by the recipe (both float32, on the CPU)."""
+    source_name = recipe.train.init_from
+    if not source_name:
+        cfg = head_config_for(recipe, target.config, verifier=verifier, tokenizer=target.tokenizer, token_freqs=freqs)
+        return build_trainable_head(cfg, target.model, freqs), cfg
+    from eyas.heads.fetch import fetch_head
+    from eyas.heads.head_dir import target_facts
+    from eyas.heads.load_export import load_any_head
+
+    source_dir = fetch_head(source_name, revision=recipe.train.init_from_revision)
+    embed = target.model.get_input_embeddings().weight.detach().float().cpu()
+    source = load_any_head(source_dir, target_embed=embed, dtype=torch.float32,
+                           target=target_facts(target.config, f"target {recipe.target.name_or_path}"))
+    cfg = init_from_config(recipe, source.config, target.config, f"train.init_from {source_name}", verifier=verifier,
+                           tokenizer=target.tokenizer, token_freqs=freqs)
+    head, fresh = head_from_checkpoint(cfg, source, target.model)
+    coverage = draft_vocab_coverage(head, freqs)
+    log.info("train.init_from %s: a %s head (%d layer(s), draft vocabulary %d) %s%s", source_name,
+             source.config.algorithm, cfg.num_hidden_layers, cfg.draft_vocab_size,
+             f"continued as {cfg.algorithm}" if cfg.algorithm == source.config.algorithm
+             else f"starting a {cfg.algorithm} head ({', '.join(fresh)} fresh)",
+             "" if coverage is None else f"; its draft vocabulary holds {coverage:.1%} of this data's trained tokens")
+    if coverage is not None and coverage < 0.9:
+        log.warning("train.init_from: the head's draft vocabulary holds only %.1f%% of this data's trained tokens; "
+                    "a fresh head (its vocabulary from this data) may draft better", 100 * coverage)
+    return head, cfg

@@ -20,7 +20,7 @@ import torch
 from eyas.precision import resolve_mixed_precision, shapes_of_config
 from eyas.train.algorithms import loss_function
 from eyas.train.batching import BatchStream, DataPosition, offline_stream, online_stream
-from eyas.train.build import FrozenOutput, HeadWithLoss, build_trainable_head, frozen_output, head_config_for
+from eyas.train.build import FrozenOutput, HeadWithLoss, frozen_output, initial_head
 from eyas.data.prepare import read_prepared_digest
 from eyas.train.checkpoint import (TrainerState, latest_checkpoint, load_checkpoint, read_trainer_state,
                                    save_checkpoint, uses_engine_state)
@@ -258,9 +258,8 @@ def train(recipe, target=None, progress: bool = True, restart: bool = False, acc
     freqs_path = paths.prepared / "token_freqs.safetensors"
     freqs = load_token_frequencies(freqs_path) if freqs_path.is_file() else None
     # the verifier the exported head names: the recipe's Hub id for a target loaded from a local dir
-    head_cfg = head_config_for(recipe, target.config, verifier=recipe.target.hub_id or target.hub_id,
-                               tokenizer=target.tokenizer, token_freqs=freqs)
-    head = build_trainable_head(head_cfg, target.model, freqs).to(device)
+    head, head_cfg = initial_head(recipe, target, freqs, verifier=recipe.target.hub_id or target.hub_id)
+    head = head.to(device)
     if cfg.freeze_lm_head:
         if head_cfg.hidden_size != head_cfg.target_hidden_size:
             raise ValueError("train.freeze_lm_head needs head.hidden_size equal to the target's "

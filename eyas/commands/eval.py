@@ -8,6 +8,7 @@ speculative output equals plain greedy output token for token (exit 1 when it do
   eyas eval --target smollm2-135m --head runs/x/export --workload mtbench --k 5 --max-prompts 8
   eyas eval --recipe recipes/quickstart.yaml            # defaults: eval section, run_dir/export
   eyas eval --target smollm2-135m --baseline ngram      # no head: the baseline only
+  eyas eval -r R --head runs/tuned/export --compare before=runs/base/export   # one report, both heads
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 
 from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
 
@@ -26,7 +26,11 @@ log = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_recipe_arguments(parser)
     parser.add_argument("--target", help="target model (default: recipe target.name_or_path)")
-    parser.add_argument("--head", help="head directory: eyas checkpoint or export (default: run_dir/export when it exists)")
+    parser.add_argument("--head", help="head: an eyas checkpoint, an export or a published head, as a directory or a "
+                        "Hub id (default: run_dir/export when it exists)")
+    parser.add_argument("--compare", action="append", default=[], metavar="[NAME=]HEAD",
+                        help="another head decoded on the same prompts, reported beside --head (repeatable; "
+                        "NAME labels it in the table and plot, default compare, compare2, ...)")
     parser.add_argument("--workload", help="mtbench, a .json/.jsonl of prompts or conversations, or a dataset (default: eval.workload)")
     parser.add_argument("--k", type=int, help="draft tokens per step (default: eval.k)")
     parser.add_argument("--max-prompts", type=int, help="evenly spaced subset of the workload")
@@ -48,14 +52,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
+def compare_heads(specs: list[str]) -> dict[str, str]:
+    """`[NAME=]HEAD` -> {name: head}; names must be unique and not a built-in drafter's."""
+    out = {}
+    for i, spec in enumerate(specs):
+        name, sep, head = spec.partition("=")
+        if not sep or "/" in name or not name:
+            name, head = ("compare" if i == 0 else f"compare{i + 1}"), spec
+        if name in out or name in ("head", "ngram", "plain"):
+            raise SystemExit(f"eyas eval: --compare name {name!r} is taken; pass NAME=HEAD with another NAME")
+        out[name] = head
+    return out
+
+
+def resolve_head(name: str) -> str:
+    """A head directory from a local path or a Hub id (downloaded into the HF cache)."""
+    from eyas.heads.export import ExportFormatError
+    from eyas.heads.fetch import fetch_head
+
+    try:
+        return str(fetch_head(name))
+    except ExportFormatError as err:
+        raise SystemExit(f"eyas eval: {err}") from None
+
+
 def load_eval_head(head_dir: str, target):
-    """A head from an eyas checkpoint or an export directory, on the target's device."""
+    """A head from an eyas checkpoint or an export directory, on the target's device;
+    checked against the target's config as `eyas export --check --target` checks it."""
+    from eyas.heads.head_dir import target_facts
+    from eyas.heads.load_export import load_any_head
+    from eyas.heads.validate import ExportValidationError
+
     embed = target.model.get_input_embeddings().weight.detach()
     try:
-        from eyas.heads.load_export import load_any_head
-    except ImportError:
-        from eyas.heads.io import load_head as load_any_head
-    head = load_any_head(head_dir, target_embed=embed)
+        head = load_any_head(head_dir, target_embed=embed, target=target_facts(target.model.config, "the target"))
+    except ExportValidationError as err:
+        raise SystemExit(f"eyas eval: {err}") from None
     cfg = head.config
     if cfg.vocab_size != target.vocab_size or cfg.target_hidden_size != target.hidden_size:
         raise SystemExit(f"eyas eval: head {head_dir} was built for vocab {cfg.vocab_size} / hidden "
@@ -92,9 +124,12 @@ def run(args: argparse.Namespace) -> int:
         head_dir = str(recipe.paths.export)
     if head_dir is None and baseline == "none":
         raise SystemExit("eyas eval: nothing to evaluate: pass --head DIR or --baseline ngram")
-    if head_dir is not None and not Path(head_dir).is_dir():  # Hub heads come with the published-heads work
-        raise SystemExit(f"eyas eval: {head_dir}: no such head directory (an `eyas export` output or "
-                         "run_dir/checkpoints/final)")
+    compared = compare_heads(args.compare)
+    if compared and head_dir is None:
+        raise SystemExit("eyas eval: --compare needs a --head to compare with")
+    if head_dir is not None:
+        head_dir = resolve_head(head_dir)
+    compared = {name: resolve_head(h) for name, h in compared.items()}
     workload = pick(args.workload, ev.workload)
     prompts = load_workload(workload, pick(args.max_prompts, ev.max_prompts))  # before the target: fails fast
     t = recipe.target
@@ -104,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
     drafters = {}
     if head_dir is not None:
         drafters["head"] = HeadDrafter(load_eval_head(head_dir, target))
+    for name, other in compared.items():
+        drafters[name] = HeadDrafter(load_eval_head(other, target))
     if baseline == "ngram":
         drafters["ngram"] = NgramDrafter(pick(args.ngram_min, ev.ngram_min), pick(args.ngram_max, ev.ngram_max))
     temperature = pick(args.temperature, ev.temperature)
@@ -112,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
                     seed=pick(args.seed, ev.seed), tie_tolerance=args.tie_tolerance,
                     progress=not args.no_progress and not args.json,
                     replay=_replayed(drafters, pick(args.decode_baseline, ev.decode_baseline)))
-    report = {"target": target.hub_id, "head": head_dir,
+    report = {"target": target.hub_id, "head": head_dir, **({"compared": compared} if compared else {}),
               "algorithm": drafters["head"].head.config.algorithm if "head" in drafters else None,
               "workload": workload, "k": k, "temperature": temperature, "max_new_tokens": max_new,
               "device": str(target.model.device), "dtype": str(target.model.dtype).replace("torch.", ""), **body}

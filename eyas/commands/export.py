@@ -33,7 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtype of the exported weights (d2t stays int64, t2d bool)")
     parser.add_argument("--verifier", help="the target's Hub id written as verifier name_or_path "
                         "(default: the one the head was trained with)")
-    parser.add_argument("--check", metavar="DIR", help="only validate an existing export and exit")
+    parser.add_argument("--check", metavar="DIR", help="only validate an existing head (a directory or a Hub id: "
+                        "an eyas export or a published head in the speculators or EAGLE-3 layout) and exit")
+    parser.add_argument("--target", help="with --check: the verifier (local dir, alias or cached Hub id) whose "
+                        "config the head must agree with (default: the one the head names, when it is on this machine)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -43,16 +46,37 @@ def _print_problems(header: str, problems: list[str]) -> None:
         print(f"  - {p}", file=sys.stderr)
 
 
-def _check(head_dir: str, as_json: bool) -> int:
-    from eyas.heads.validate import validate_export
+def check_target_facts(target: str | None):
+    """The verifier's facts for a head check, from `--target` (None: the head's own)."""
+    if not target:
+        return None
+    from eyas.data.targets import load_target_config
+    from eyas.heads.head_dir import target_facts
 
-    problems = validate_export(head_dir)
-    if as_json:
-        print(json.dumps({"dir": head_dir, "ok": not problems, "problems": problems}))
-    elif problems:
-        _print_problems(f"{head_dir}: {len(problems)} problem(s):", problems)
+    return target_facts(load_target_config(target), target)
+
+
+def _check(name: str, target: str | None, as_json: bool) -> int:
+    from eyas.heads.export import ExportFormatError
+    from eyas.heads.fetch import fetch_head
+    from eyas.heads.validate import inspect_export
+
+    try:
+        head_dir = str(fetch_head(name))
+    except ExportFormatError as err:
+        problems, notes, head_dir = [str(err)], [], name
     else:
-        print(f"{head_dir}: OK (matches the serving contract)")
+        hd, _ = inspect_export(head_dir, check_target_facts(target))
+        problems, notes = hd.problems, hd.notes
+    if as_json:
+        print(json.dumps({"dir": head_dir, "ok": not problems, "problems": problems, "notes": notes}))
+        return 1 if problems else 0
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    if problems:
+        _print_problems(f"{name}: {len(problems)} problem(s):", problems)
+    else:
+        print(f"{name}: OK (matches the serving contract)")
     return 1 if problems else 0
 
 
@@ -84,7 +108,7 @@ def _recipe_verifier(recipe, ckpt) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     if args.check:
-        return _check(args.check, args.json)
+        return _check(args.check, args.target, args.json)
     from eyas.heads.export import DTYPES, ExportFormatError, export_checkpoint, serve_command
     from eyas.heads.hub import write_training_summary
     from eyas.heads.validate import validate_export
