@@ -226,6 +226,12 @@ def read_fields(raw: dict, fmt: Literal["speculators", "eagle"], target: Optiona
             value = default
             defaulted.append(f"{key}={default}")
         values[key] = value
+    scaling = layer.get("rope_scaling") or (layer.get("rope_parameters") or {})
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind and kind != "default":
+        notes.append(f"{where}rope_scaling {kind!r}: eyas's head applies plain rope (theta {values['rope_theta']}), so "
+                     "its training and offline eval differ from vLLM's serving of this config at long positions; "
+                     "an export from eyas writes plain rope")
     if defaulted:
         notes.append(f"{where or 'config.json: '}absent, the llama defaults vLLM applies: {', '.join(defaulted)}")
 
@@ -376,8 +382,21 @@ def read_tensors(head_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def canonical_tensor_name(name: str) -> str:
-    """The EAGLE layout's one-layer `midlayer.*` is the speculators `layers.0.*`."""
+    """The EAGLE layout's `midlayer.*` (layer 0, also beside `layers.1..` in amazon's
+    P-EAGLE heads) is the speculators `layers.0.*`."""
     return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
+
+
+def canonical_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors under the speculators names; amazon's P-EAGLE `mask_hidden` [1, 1, n·Ht]
+    is the [1, n·Ht] vector (vLLM broadcasts either)."""
+    out = {}
+    for name, t in tensors.items():
+        name = canonical_tensor_name(name)
+        if name == "mask_hidden" and t.dim() == 3 and t.shape[:2] == (1, 1):
+            t = t.reshape(1, -1)
+        out[name] = t
+    return out
 
 
 # --- the directory ---------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.export import ExportFormatError
-from eyas.heads.head_dir import TargetFacts, canonical_tensor_name, detect_format, read_config, read_head_dir  # noqa: F401
+from eyas.heads.head_dir import TargetFacts, canonical_tensors, detect_format, read_config, read_head_dir  # noqa: F401
 from eyas.heads.io import load_head
 from eyas.heads.peagle import build_head
 from eyas.heads.validate import ExportValidationError, inspect_export
@@ -48,8 +48,7 @@ def export_config(head_dir: str | Path, target: Optional[TargetFacts] = None) ->
 
 def _head_state(tensors: dict[str, torch.Tensor], cfg: DraftHeadConfig) -> dict[str, torch.Tensor]:
     state = {}
-    for name, t in tensors.items():
-        name = canonical_tensor_name(name)
+    for name, t in canonical_tensors(tensors).items():
         parts = name.split(".")
         if len(parts) == 4 and parts[0] == "layers" and parts[1] != "0" and parts[2] == "hidden_norm":
             continue  # built but unused by vLLM in layers >= 1; our layers have none

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from eyas.heads.export import ExportFormatError
-from eyas.heads.head_dir import HeadDir, TargetFacts, _is_int, canonical_tensor_name, read_head_dir, read_tensors
+from eyas.heads.head_dir import HeadDir, TargetFacts, _is_int, canonical_tensors, read_head_dir, read_tensors
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -59,7 +59,7 @@ def expected_shapes(f: dict) -> dict[str, tuple[int, ...]]:
 
 
 def _check_tensors(tensors: dict[str, torch.Tensor], f: dict, problems: list[str]) -> None:
-    tensors = {canonical_tensor_name(k): v for k, v in tensors.items()}
+    tensors = canonical_tensors(tensors)
     shapes = expected_shapes(f)
     optional = {"embed_tokens.weight": (f["vt"], f["h"])}  # a shipped embedding when H == Ht
     # vLLM builds hidden_norm in every layer and uses only layer 0's: published heads may ship them.

@@ -107,6 +107,13 @@ def _export_check_eval(recipe_path: Path, overrides: list[str], run: Path) -> No
 @pytest.mark.parametrize("recipe_name", RECIPES)
 def test_recipe_runs_end_to_end_at_tiny_scale(recipe_name, tmp_path):
     recipe_path, overrides = _tiny_recipe_data(recipe_name, tmp_path)
+    if load_recipe(recipe_path).train.init_from:
+        # the head it continues: an EAGLE-3 head trained and exported on the same tiny target
+        source = [f"run_dir={tmp_path / 'source'}", "train.init_from=null", "head.algorithm=eagle3"]
+        for stage in ("prepare", "capture", "train", "export"):
+            args = ["--no-progress"] if stage != "export" else []
+            assert main([stage, *args, "-r", str(recipe_path), *overrides, *source]) == 0, stage
+        overrides = [*overrides, f"train.init_from={tmp_path / 'source' / 'export'}"]
     assert main(["train", "--no-progress", "-r", str(recipe_path), *overrides]) == 0
     _export_check_eval(recipe_path, overrides, tmp_path / "run")
 

@@ -235,7 +235,7 @@ def initial_head(recipe, target, freqs: torch.Tensor | None, verifier: str | Non
                            tokenizer=target.tokenizer, token_freqs=freqs)
     head, fresh = head_from_checkpoint(cfg, source, target.model)
     coverage = draft_vocab_coverage(head, freqs)
-    log.info("train.init_from %s: a %s head (%d layer(s), draft vocabulary %d) %s%s", source_name,
+    log.info("train.init_from %s: the %s head (%d layer(s), draft vocabulary %d) %s%s", source_name,
              source.config.algorithm, cfg.num_hidden_layers, cfg.draft_vocab_size,
              f"continued as {cfg.algorithm}" if cfg.algorithm == source.config.algorithm
              else f"starting a {cfg.algorithm} head ({', '.join(fresh)} fresh)",
