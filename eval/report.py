@@ -169,7 +169,7 @@ def plot(report: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     k = report["k"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(7.5, 3.5))
     names = list(report["drafters"])
     width = 0.8 / max(1, len(names))
     for i, name in enumerate(names):
@@ -181,7 +181,7 @@ def plot(report: dict, path: Path) -> Path:
     ax.set_ylabel("acceptance given 1..k-1 accepted")
     ax.set_ylim(0, 1)
     ax.set_title(f"{report['workload']}, K={report['k']}")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # outside: bars reach the top
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
