@@ -121,7 +121,9 @@ def run_vllm(job: dict, work: Path, name: str, timeout: float) -> dict:
 
 def speculative_config(spec: HeadSpec, head_dir: Path, k: int) -> dict:
     cfg = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": k}
-    if spec.algorithm == "peagle":
+    # a trained head's algorithm is its export's, not the spec's default
+    exported = json.loads((Path(head_dir) / "config.json").read_text()).get("speculators_model_type")
+    if spec.algorithm == "peagle" or exported == "peagle":
         cfg["parallel_drafting"] = True  # not implied by the draft config (DESIGN §5)
     return cfg
 
