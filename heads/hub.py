@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from eyas.heads.export import CONFIG_NAME, WEIGHTS_NAME, serve_command
-from eyas.heads.load_export import detect_format, export_config
+from eyas.heads.head_dir import detect_format
+from eyas.heads.load_export import export_config
 from eyas.hub_ids import looks_like_hub_id
 
 log = logging.getLogger(__name__)

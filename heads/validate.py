@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 
 from eyas.heads.export import ExportFormatError
-from eyas.heads.head_dir import HeadDir, TargetFacts, _is_int, canonical_tensors, read_head_dir, read_tensors
+from eyas.heads.head_dir import HeadDir, TargetFacts, _is_int, read_head_dir
+from eyas.heads.head_weights import canonical_tensors, read_tensors
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
