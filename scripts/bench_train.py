@@ -101,7 +101,7 @@ def main() -> None:
     from eyas.recipe import load_recipe
     from eyas.train.algorithms import loss_function
     from eyas.train.build import HeadWithLoss, build_trainable_head, frozen_output, head_config_for
-    from eyas.train.loop import FeatureSource
+    from eyas.train.feed import FeatureSource
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     recipe = load_recipe(os.path.join(root, "recipes", "smollm2-135m-eagle3.yaml"),

@@ -208,7 +208,7 @@ def test_feature_source_remembers_validity_per_split_and_sample():
     vocabulary and remembers it per (split, sample); the next epoch's batch of the same
     samples, in another order, gets the same labels from the draft rows alone."""
     from eyas.train.build import FrozenOutput
-    from eyas.train.loop import FeatureSource
+    from eyas.train.feed import FeatureSource
 
     head, batch, args = _setup({}, 20)
     last, norm, w, draft_ids, _, lm, am = args

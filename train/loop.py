@@ -19,12 +19,12 @@ import torch
 
 from eyas.precision import resolve_mixed_precision, shapes_of_config
 from eyas.train.algorithms import loss_function
-from eyas.train.batching import BatchStream, DataPosition, offline_stream, online_stream
-from eyas.train.build import FrozenOutput, HeadWithLoss, frozen_output, initial_head
 from eyas.data.prepare import read_prepared_digest
+from eyas.train.batching import DataPosition
+from eyas.train.build import HeadWithLoss, frozen_output, initial_head
 from eyas.train.checkpoint import (TrainerState, latest_checkpoint, load_checkpoint, read_trainer_state,
                                    save_checkpoint, uses_engine_state)
-from eyas.train.fastpath import draft_first_lm_head, valid_row_labels
+from eyas.train.feed import FeatureSource, batch_stream, open_split, to_device
 from eyas.train.metrics import AccuracyMeter, make_logger
 from eyas.train.run_settings import RerunRefused, changed_settings, training_settings
 
@@ -49,90 +49,12 @@ def cosine_with_warmup(warmup_steps: int, total_steps: int, min_ratio: float = 0
     return factor
 
 
-def _to_device(batch: dict, device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-class FeatureSource:
-    """Adds aux / last to a batch: already there (offline cache) or computed by the frozen
-    target (online), and the target labels. Which label slots are valid (the target's
-    argmax inside the draft vocabulary) is remembered per sample (`batch["index"]`), so
-    later epochs multiply only the draft rows of the target's LM head."""
-
-    def __init__(self, target_model, aux_layer_ids: list[int], output: FrozenOutput, head):
-        self.target_model = target_model
-        self.aux_layer_ids = aux_layer_ids
-        self.output = output
-        self.lm_head = draft_first_lm_head(output.lm_head_weight, head.draft_token_ids())
-        self._valid: dict[tuple[str, int], torch.Tensor] = {}  # (split, index) -> valid label slots [T_i], CPU
-
-    @torch.no_grad()
-    def complete(self, batch: dict, split: str = "train"):
-        """batch -> (batch with aux/last, TargetLabels). `split` names the source whose
-        sample indices `batch["index"]` holds (absent: nothing remembered)."""
-        if "aux" not in batch:
-            from eyas.data.targets import compute_features
-
-            batch["aux"], batch["last"] = compute_features(self.target_model, batch["input_ids"],
-                                                           batch["attention_mask"], self.aux_layer_ids)
-        index = batch.pop("index", None)
-        known = None
-        keys = [(split, i) for i in index.tolist()] if index is not None else []
-        if keys and all(k in self._valid for k in keys):
-            known = torch.zeros(batch["loss_mask"].shape, dtype=torch.bool)
-            for row, k in enumerate(keys):
-                v = self._valid[k]
-                known[row, :v.numel()] = v
-            known = known.to(batch["loss_mask"].device)
-        labels = valid_row_labels(batch["last"], self.output.norm, self.lm_head, batch["loss_mask"],
-                                  batch["attention_mask"], known_valid=known)
-        if keys and known is None:
-            lengths = batch["attention_mask"].sum(1).tolist()
-            for row, k in enumerate(keys):
-                self._valid[k] = labels.valid[row, :lengths[row]].cpu()
-        return batch, labels
-
-
-def _open_data(recipe, head_cfg, split: str):
-    """The sample source of a split: the feature cache (offline) or the prepared dataset."""
-    paths = recipe.paths
-    if recipe.data.features == "offline":
-        from eyas.data.cache import FeatureCache, StaleCacheError, resolve_split_dir, stale_cache_problem
-
-        split_dir = resolve_split_dir(paths.cache, split)
-        if split != "train" and not (split_dir / "manifest.json").is_file():
-            return None
-        cache = FeatureCache(paths.cache, split)
-        stale = stale_cache_problem(cache.dir, cache.prepared_digest, read_prepared_digest(paths.prepared))
-        if stale:
-            raise StaleCacheError(stale)
-        if cache.aux_layer_ids != list(head_cfg.aux_layer_ids) or cache.hidden_size != head_cfg.target_hidden_size:
-            raise ValueError(f"{cache.dir}: cached aux layers {cache.aux_layer_ids} / hidden {cache.hidden_size} do "
-                             f"not match the head's {head_cfg.aux_layer_ids} / {head_cfg.target_hidden_size}; "
-                             "recapture or set data.aux_layer_ids")
-        return cache
-    from eyas.data.prepare import load_prepared
-
-    dd = load_prepared(paths.prepared)
-    if split not in dd or len(dd[split]) == 0:
-        if split == "train":
-            raise ValueError(f"{paths.prepared}: no train split; run `eyas prepare`")
-        return None
-    return dd[split]
-
-
-def _stream(recipe, source, rank, world, position=None, pad_id=0) -> BatchStream:
-    if recipe.data.features == "offline":
-        return offline_stream(source, recipe.train, rank, world, position, pad_id)
-    return online_stream(source, recipe.train, rank, world, position, pad_id)
-
-
 def evaluate(accelerator, model, features: FeatureSource, recipe, source, pad_id=0) -> dict:
     """Per-step accuracy, loss and simulated acceptance length on the held-out split,
     summed over ranks."""
     cfg = recipe.train
     world, rank = accelerator.num_processes, accelerator.process_index
-    stream = _stream(recipe, source, rank, world, pad_id=pad_id)
+    stream = batch_stream(recipe, source, rank, world, pad_id=pad_id)
     stream.multiple_of = world
     try:
         n = stream.batches_per_epoch() // world
@@ -144,7 +66,7 @@ def evaluate(accelerator, model, features: FeatureSource, recipe, source, pad_id
     model.eval()
     with torch.no_grad():
         for _ in range(n):
-            batch, labels = features.complete(_to_device(next(stream), accelerator.device), split="eval")
+            batch, labels = features.complete(to_device(next(stream), accelerator.device), split="eval")
             with accelerator.autocast():
                 meter.add(model(batch, labels, None))
     model.train()
@@ -268,9 +190,9 @@ def train(recipe, target=None, progress: bool = True, restart: bool = False, acc
         head.lm_head.weight.requires_grad_(False)
     features = FeatureSource(target.model, list(head_cfg.aux_layer_ids), frozen_output(target.model), head)
 
-    train_src = _open_data(recipe, head_cfg, "train")
-    eval_src = _open_data(recipe, head_cfg, "eval")
-    stream = _stream(recipe, train_src, rank, world, pad_id=pad_id)
+    train_src = open_split(recipe, head_cfg, "train")
+    eval_src = open_split(recipe, head_cfg, "eval")
+    stream = batch_stream(recipe, train_src, rank, world, pad_id=pad_id)
     steps_per_epoch = max(1, stream.batches_per_epoch() // (world * cfg.grad_accum))
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
 
@@ -330,7 +252,7 @@ def train(recipe, target=None, progress: bool = True, restart: bool = False, acc
         while state.step < total:
             bad = False
             for _ in range(cfg.grad_accum):
-                batch, labels = features.complete(_to_device(next(stream), device))
+                batch, labels = features.complete(to_device(next(stream), device))
                 with accelerator.accumulate(model):
                     with accelerator.autocast():
                         stats = model(batch, labels, generator)
