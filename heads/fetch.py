@@ -3,7 +3,7 @@
 
 Only the files a head is read from are downloaded: configs and safetensors weights. A
 repo that ships its weights only as a pickle is refused by name (and how to convert it),
-as a local pickle-only directory is (`heads/head_dir.py`).
+as a local pickle-only directory is (`heads/head_weights.py`).
 """
 
 from __future__ import annotations
