@@ -21,6 +21,7 @@ STAGES = {
     "eval": "offline speculative-decoding evaluation (tau, per-position acceptance, TAR)",
     "budget": "size a run (conversations read, epochs) to a time budget on this machine",
     "plan": "which K to serve, and the concurrency above which speculation stops paying",
+    "bench-serve": "serving speed in vLLM: plain, n-gram and each head, per K, concurrency and temperature",
 }
 
 
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="stage", metavar="STAGE")
     for stage, summary in STAGES.items():
-        module = importlib.import_module(f"eyas.commands.{stage}")
+        module = importlib.import_module(f"eyas.commands.{stage.replace('-', '_')}")
         p = sub.add_parser(stage, help=summary, description=(module.__doc__ or summary).strip(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)

@@ -255,6 +255,7 @@ class RunPaths:
         self.checkpoints = root / "checkpoints"
         self.export = root / "export"
         self.eval = root / "eval"
+        self.bench_serve = root / "bench_serve"
 
 
 class RecipeError(ValueError):

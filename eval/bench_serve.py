@@ -1,0 +1,428 @@
+"""Serving speed where users serve (DESIGN §6.2): the target in a real vLLM engine, plain,
+with the n-gram drafter and with each head, at several K, concurrencies and temperatures.
+
+One engine per (drafter, K), started from the engine's own Python (`eval/vllm_entry.py`,
+so eyas's env never imports vLLM) on 127.0.0.1 and stopped by process group. On each
+engine, every (temperature, concurrency) level sends the whole workload through the
+OpenAI completions endpoint (prompt token ids rendered by eyas with the target's chat
+template, streamed so time to first token is seen), `concurrency` requests in flight.
+Speculative counters come from the engine's Prometheus `/metrics`, read before and after
+each level. Each finished level is appended to `points.jsonl`, so a killed bench resumes
+at the first level it had not finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import shlex
+import statistics
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+ENTRY = Path(__file__).with_name("vllm_entry.py")
+POINTS_NAME = "points.jsonl"
+REPORT_NAME = "bench_serve.json"
+PLOT_NAME = "bench_serve.png"
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts_total": "drafts",
+    "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+}
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+class BenchError(RuntimeError):
+    """A bench that cannot run or whose engine answered wrongly; the message says which."""
+
+
+@dataclass(frozen=True)
+class Drafter:
+    """plain (no speculation), ngram (vLLM's prompt lookup) or a head directory."""
+
+    name: str
+    kind: str  # plain | ngram | head
+    path: Optional[str] = None
+    algorithm: Optional[str] = None  # eagle3 | peagle, for heads
+    num_layers: Optional[int] = None
+    draft_vocab: Optional[int] = None
+    ngram_min: int = 5
+    ngram_max: int = 5
+
+    def speculative_config(self, k: int) -> Optional[dict]:
+        """vLLM's `--speculative-config` for K draft tokens (DESIGN §5)."""
+        if self.kind == "plain":
+            return None
+        if self.kind == "ngram":
+            return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": self.ngram_min,
+                    "prompt_lookup_max": self.ngram_max}
+        cfg = {"method": "eagle3", "model": self.path, "num_speculative_tokens": k}
+        if self.algorithm == "peagle":
+            cfg["parallel_drafting"] = True
+        return cfg
+
+
+def head_drafter(name: str, path: str) -> Drafter:
+    """A head directory read as vLLM will: its algorithm, layers and draft vocabulary."""
+    from eyas.heads.head_dir import read_head_dir
+
+    head = read_head_dir(path)
+    if head.problems:
+        raise BenchError(f"head {name} ({path}): " + "; ".join(head.problems))
+    f = head.fields
+    return Drafter(name, "head", str(Path(path).resolve()), f.get("algo") or "eagle3", f.get("layers"), f.get("vd"))
+
+
+@dataclass
+class BenchSettings:
+    target: str  # a local model directory
+    drafters: list[Drafter]
+    prompts: list[list[int]]
+    workload: str = "mtbench"
+    ks: list[int] = field(default_factory=lambda: [3, 5, 7])
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7])
+    max_tokens: int = 128
+    vllm_python: str = sys.executable
+    dtype: str = "bfloat16"
+    max_model_len: int = 2048
+    port: int = 18300
+    engine_args: list[str] = field(default_factory=list)
+    startup_timeout_s: float = 1800.0
+    request_timeout_s: float = 1800.0
+    seed: int = 0
+
+    def fingerprint(self) -> str:
+        """What makes two measurements comparable; points of another setting are not reused."""
+        key = {"target": self.target, "prompts": self.prompts, "max_tokens": self.max_tokens, "dtype": self.dtype,
+               "max_model_len": self.max_model_len, "engine_args": self.engine_args, "seed": self.seed,
+               "python": self.vllm_python}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --- the engine -------------------------------------------------------------------------
+
+
+def engine_command(s: BenchSettings, spec: Optional[dict]) -> str:
+    """The command line that serves the target, with `spec` as its speculative config."""
+    argv = [s.vllm_python, str(ENTRY), "serve", s.target, "--host", "127.0.0.1", "--port", str(s.port),
+            "--dtype", s.dtype, "--max-model-len", str(s.max_model_len), "--seed", str(s.seed),
+            "--served-model-name", "target", "--max-num-seqs", str(max(max(s.concurrency), 8))]
+    if spec is not None:
+        argv += ["--speculative-config", json.dumps(spec)]
+    # vLLM's CPU build takes 92% of a NUMA node for its KV cache unless told; GPU builds ignore it
+    env = "" if "VLLM_CPU_KVCACHE_SPACE" in os.environ else "VLLM_CPU_KVCACHE_SPACE=4 "
+    return env + shlex.join(argv + list(s.engine_args))
+
+
+def read_counters(base_url: str) -> dict:
+    """Speculative-decoding counters of the engine's Prometheus endpoint, summed over engines."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode("utf-8", "replace")
+    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_position": {}}
+    for line in text.splitlines():
+        if not line.startswith("vllm:spec_decode"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        if name in SPEC_COUNTERS:
+            out[SPEC_COUNTERS[name]] += float(value)
+        elif name == PER_POSITION:
+            pos = int(name_labels.split('position="', 1)[1].split('"', 1)[0])
+            out["per_position"][pos] = out["per_position"].get(pos, 0.0) + float(value)
+    return out
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    positions = sorted(set(before["per_position"]) | set(after["per_position"]))
+    return {"drafts": after["drafts"] - before["drafts"], "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+            "accepted": after["accepted"] - before["accepted"],
+            "per_position": [after["per_position"].get(p, 0.0) - before["per_position"].get(p, 0.0) for p in positions]}
+
+
+# --- the client -------------------------------------------------------------------------
+
+
+@dataclass
+class RequestResult:
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float
+    latency_s: float
+    text: str
+
+
+async def _one_request(http, url: str, prompt: list[int], s: BenchSettings, temperature: float, seed: int) -> RequestResult:
+    body = {"model": "target", "prompt": prompt, "max_tokens": s.max_tokens, "temperature": temperature,
+            "seed": seed, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first, pieces, usage = None, [], None
+    async with http.stream("POST", url + "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            detail = (await resp.aread()).decode("utf-8", "replace")[:500]
+            raise BenchError(f"{url}/v1/completions answered {resp.status_code}: {detail}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or []:
+                if choice.get("text"):
+                    first = first if first is not None else time.perf_counter()
+                    pieces.append(choice["text"])
+    end = time.perf_counter()
+    if usage is None:
+        raise BenchError(f"{url}/v1/completions streamed no usage (stream_options.include_usage)")
+    return RequestResult(int(usage.get("prompt_tokens", len(prompt))), int(usage["completion_tokens"]),
+                         (first or end) - start, end - start, "".join(pieces))
+
+
+async def run_level(url: str, prompts: list[list[int]], concurrency: int, s: BenchSettings,
+                    temperature: float, progress=None) -> tuple[list[RequestResult], float]:
+    """Every prompt once, `concurrency` in flight; (results in prompt order, wall seconds)."""
+    import httpx
+
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(s.request_timeout_s, connect=30.0), limits=limits) as http:
+        async def go(i: int, prompt: list[int]) -> RequestResult:
+            async with gate:
+                r = await _one_request(http, url, prompt, s, temperature, s.seed + i)
+            if progress is not None:
+                progress.update(1)
+            return r
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(go(i, p) for i, p in enumerate(prompts)))
+        return list(results), time.perf_counter() - start
+
+
+def summarize_level(results: list[RequestResult], wall: float, counters: dict) -> dict:
+    """Speed and acceptance of one level (DESIGN §6.2 defines each number)."""
+    out_tokens = sum(r.output_tokens for r in results)
+    tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
+    drafts, proposed, accepted = counters["drafts"], counters["draft_tokens"], counters["accepted"]
+    reached, rates = drafts, []
+    for hits in counters["per_position"]:
+        if reached <= 0:
+            break
+        rates.append(hits / reached)
+        reached = hits
+    return {
+        "requests": len(results), "output_tokens": out_tokens, "wall_s": wall,
+        "output_tok_s": out_tokens / wall if wall > 0 else 0.0,
+        "per_request_tok_s": statistics.fmean(r.output_tokens / r.latency_s for r in results if r.latency_s > 0),
+        "tpot_ms": 1e3 * statistics.fmean(tpot) if tpot else None,
+        "ttft_ms": 1e3 * statistics.fmean(r.ttft_s for r in results),
+        "ttft_p50_ms": 1e3 * statistics.median(r.ttft_s for r in results),
+        # Little's law: the sequences in the engine's batch on average
+        "mean_in_flight": sum(r.latency_s for r in results) / wall if wall > 0 else 0.0,
+        "mean_context": statistics.fmean(r.prompt_tokens + r.output_tokens / 2 for r in results),
+        "drafts": drafts, "draft_tokens": proposed, "accepted": accepted,
+        "tokens_per_forward": 1.0 + accepted / drafts if drafts else 1.0,
+        "tar": accepted / proposed if proposed else None,
+        "per_position_acceptance": rates,
+        "output_sha1": [hashlib.sha1(r.text.encode()).hexdigest()[:12] for r in results],
+    }
+
+
+# --- the bench --------------------------------------------------------------------------
+
+
+def point_key(drafter: str, k: Optional[int], temperature: float, concurrency: int) -> str:
+    return f"{drafter}|{k}|{temperature:g}|{concurrency}"
+
+
+def load_points(path: Path, fingerprint: str) -> dict[str, dict]:
+    """Finished levels of an earlier run with the same settings; a damaged line (a run
+    killed while writing it) is named and measured again."""
+    done = {}
+    if not path.is_file():
+        return done
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            p = json.loads(line)
+        except json.JSONDecodeError:
+            log.warning("%s:%d is not a JSON line (a killed run?): that level is measured again", path, lineno)
+            continue
+        if p.get("fingerprint") == fingerprint:
+            done[point_key(p["drafter"], p["k"], p["temperature"], p["concurrency"])] = p
+    return done
+
+
+def engine_plan(s: BenchSettings) -> list[tuple[Drafter, Optional[int]]]:
+    """(drafter, K) per engine, plain first: its outputs are what the others must equal."""
+    plain = [d for d in s.drafters if d.kind == "plain"] or [Drafter("plain", "plain")]
+    return [(plain[0], None)] + [(d, k) for d in s.drafters if d.kind != "plain" for k in s.ks]
+
+
+def run_bench(s: BenchSettings, out_dir: Path, progress: bool = True) -> dict:
+    """Measure every level not already in out_dir/points.jsonl, then write the report."""
+    from tqdm import tqdm
+
+    from eyas.engine_process import launched_engine
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    points_path = out_dir / POINTS_NAME
+    fp = s.fingerprint()
+    done = load_points(points_path, fp)
+    url = f"http://127.0.0.1:{s.port}"
+    levels = [(t, c) for t in s.temperatures for c in s.concurrency]
+    for drafter, k in engine_plan(s):
+        todo = [(t, c) for t, c in levels if point_key(drafter.name, k, t, c) not in done]
+        if not todo:
+            continue
+        spec = drafter.speculative_config(k) if k else None
+        label = drafter.name + (f" K={k}" if k else "")
+        command = engine_command(s, spec)
+        log_path = out_dir / "logs" / f"engine_{drafter.name}_k{k or 0}.log"
+        log.info("%s: starting the engine (log %s)", label, log_path)
+        with launched_engine(command, [url], log_path, timeout_s=s.startup_timeout_s):
+            warm = s.prompts[: min(4, len(s.prompts))]
+            asyncio.run(run_level(url, warm, len(warm), s, 0.0))  # compile and cache warm-up, not measured
+            bar = tqdm(total=len(todo) * len(s.prompts), desc=label, unit="req", disable=not progress)
+            for temperature, conc in todo:
+                before = read_counters(url)
+                results, wall = asyncio.run(run_level(url, s.prompts, conc, s, temperature, bar))
+                point = {"fingerprint": fp, "drafter": drafter.name, "kind": drafter.kind, "k": k,
+                         "temperature": temperature, "concurrency": conc,
+                         **summarize_level(results, wall, counter_delta(before, read_counters(url)))}
+                with open(points_path, "a") as f:
+                    f.write(json.dumps(point) + "\n")
+                done[point_key(drafter.name, k, temperature, conc)] = point
+            bar.close()
+    report = build_report(s, list(done.values()))
+    (out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+    plot_speedup(report, out_dir / PLOT_NAME)
+    return report
+
+
+def target_summary(target: str) -> dict:
+    """The target's sizes the planner needs (eval/planner.py::target_size_from_config)."""
+    cfg_path = Path(target) / "config.json"
+    return json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+
+
+def build_report(s: BenchSettings, points: list[dict]) -> dict:
+    """Points -> the report: the speedup table, the lossless check and the recommendation."""
+    from eyas.eval.advice import advise
+
+    by_key = {point_key(p["drafter"], p["k"], p["temperature"], p["concurrency"]): p for p in points}
+    spec_drafters = [d for d in s.drafters if d.kind != "plain"]
+    speedup_by_t, lossless = {}, {}
+    for t in s.temperatures:
+        table = {}
+        for d in spec_drafters:
+            for k in s.ks:
+                for c in s.concurrency:
+                    plain = by_key.get(point_key("plain", None, t, c))
+                    p = by_key.get(point_key(d.name, k, t, c))
+                    if plain and p and plain["output_tok_s"] > 0:
+                        table.setdefault(d.name, {}).setdefault(str(k), {})[str(c)] = p["output_tok_s"] / plain["output_tok_s"]
+                    if t == 0 and plain and p:
+                        same = sum(a == b for a, b in zip(p["output_sha1"], plain["output_sha1"]))
+                        entry = lossless.setdefault(d.name, {}).setdefault(str(k), {"identical": 0, "compared": 0})
+                        entry["identical"] += same
+                        entry["compared"] += len(plain["output_sha1"])
+        speedup_by_t[f"{t:g}"] = table
+    greedy = f"{0.0:g}" if 0.0 in s.temperatures else f"{s.temperatures[0]:g}"
+    tars = {d.name: statistics.fmean(p["tar"] for p in points if p["drafter"] == d.name and p["tar"] is not None)
+            for d in spec_drafters if any(p["drafter"] == d.name and p["tar"] is not None for p in points)}
+    commands = {d.name: {str(k): vllm_serve_command(s.target, d.speculative_config(k)) for k in s.ks}
+                for d in spec_drafters}
+    return {
+        "kind": "eyas bench-serve", "version": 1,
+        "target": {"path": s.target, "config": target_summary(s.target), "dtype": s.dtype},
+        "engine": {"python": s.vllm_python, "max_model_len": s.max_model_len, "engine_args": s.engine_args},
+        "workload": {"source": s.workload, "prompts": len(s.prompts), "max_tokens": s.max_tokens,
+                     "mean_prompt_tokens": statistics.fmean(len(p) for p in s.prompts) if s.prompts else 0},
+        "drafters": {d.name: asdict(d) for d in s.drafters},
+        "ks": s.ks, "concurrency": s.concurrency, "temperatures": s.temperatures,
+        "points": sorted((dict((k, v) for k, v in p.items() if k != "fingerprint") for p in points),
+                         key=lambda p: (p["drafter"], p["k"] or 0, p["temperature"], p["concurrency"])),
+        "speedup": speedup_by_t.get(greedy, {}),
+        "speedup_temperature": float(greedy),
+        "speedup_by_temperature": speedup_by_t,
+        "lossless": lossless,
+        "recommendation": advise(speedup_by_t.get(greedy, {}), tars, commands),
+    }
+
+
+def vllm_serve_command(target: str, spec: Optional[dict]) -> str:
+    line = f"vllm serve {shlex.quote(target)}"
+    return line + (f" --speculative-config {shlex.quote(json.dumps(spec))}" if spec else "")
+
+
+# --- what a person reads ----------------------------------------------------------------
+
+
+def format_report(report: dict) -> str:
+    """Per temperature: output tok/s of plain and speedup of each drafter and K per concurrency."""
+    conc = [str(c) for c in report["concurrency"]]
+    lines = []
+    for t in report["temperatures"]:
+        pts = {(p["drafter"], p["k"], str(p["concurrency"])): p for p in report["points"] if p["temperature"] == t}
+        rows = [["drafter", "K", *[f"c={c}" for c in conc], "tok/fwd", "TAR", "lossless"]]
+        plain = [pts.get(("plain", None, c)) for c in conc]
+        rows.append(["plain", "-", *[f"{p['output_tok_s']:.1f} t/s" if p else "-" for p in plain], "1.00", "-", "-"])
+        table = report["speedup_by_temperature"].get(f"{t:g}", {})
+        for name, by_k in table.items():
+            for k, by_c in by_k.items():
+                first = pts.get((name, int(k), conc[0]))
+                ll = report["lossless"].get(name, {}).get(k) if t == 0 else None
+                rows.append([name, k, *[f"{by_c[c]:.2f}x" if c in by_c else "-" for c in conc],
+                             f"{first['tokens_per_forward']:.2f}" if first else "-",
+                             f"{first['tar']:.0%}" if first and first["tar"] is not None else "-",
+                             f"{ll['identical']}/{ll['compared']}" if ll else "-"])
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines.append(f"temperature {t:g} (speedup = output tokens/s over plain at the same concurrency; "
+                     f"tok/fwd and TAR at c={conc[0]})")
+        lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+        lines.append("")
+    from eyas.eval.advice import format_advice
+
+    lines.append(format_advice(report["recommendation"]))
+    return "\n".join(lines)
+
+
+def plot_speedup(report: dict, path: Path) -> None:
+    """Speedup against concurrency, one panel per temperature, one line per drafter and K."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = list(report["speedup_by_temperature"])
+    fig, axes = plt.subplots(1, len(temps), figsize=(6.0 * len(temps), 4.2), squeeze=False)
+    styles = ["-", "--", ":", "-."]
+    for ax, t in zip(axes[0], temps):
+        table = report["speedup_by_temperature"][t]
+        for i, (name, by_k) in enumerate(table.items()):
+            for j, (k, by_c) in enumerate(by_k.items()):
+                cs = sorted(by_c, key=int)
+                ax.plot([int(c) for c in cs], [by_c[c] for c in cs], marker="o", color=f"C{i}",
+                        ls=styles[j % len(styles)], label=f"{name} K={k}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("output tokens/s over plain")
+        ax.set_title(f"temperature {t}")
+        ax.legend(fontsize=7, bbox_to_anchor=(1.02, 1), loc="upper left")
+    fig.suptitle(f"vLLM, {Path(report['target']['path']).name}, {report['workload']['source']} "
+                 f"({report['workload']['prompts']} prompts, {report['workload']['max_tokens']} tokens)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

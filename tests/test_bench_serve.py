@@ -1,0 +1,164 @@
+"""`eyas bench-serve` against a small local fake of vLLM's server (tests/fake_vllm): the
+engine is started from its own Python, streamed to, read through /metrics and stopped;
+the report's numbers follow from what the fake did. The real engine is in the slow tier
+(tests/test_bench_serve_vllm.py)."""
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from eyas.eval import bench_serve as B
+from eyas.eval.advice import advise
+
+FAKE = Path(__file__).parent / "fake_vllm"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def fake_engine(monkeypatch, tmp_path):
+    starts = tmp_path / "starts.jsonl"
+    monkeypatch.setenv("PYTHONPATH", str(FAKE))
+    monkeypatch.setenv("FAKE_VLLM_STARTS", str(starts))
+    return starts
+
+
+def _settings(tmp_path, **kw):
+    head = tmp_path / "head"
+    drafters = [B.Drafter("plain", "plain"), B.Drafter("ngram", "ngram"),
+                B.Drafter("e3", "head", str(head), "eagle3", 1, 100), B.Drafter("pe", "head", str(head), "peagle", 2, 100)]
+    prompts = [[i + 1, 2, 3, 4 + i] for i in range(6)]
+    base = dict(target=str(tmp_path / "target"), drafters=drafters, prompts=prompts, ks=[2, 4], concurrency=[1, 3],
+                temperatures=[0.0, 0.7], max_tokens=12, vllm_python=sys.executable, port=_free_port(),
+                startup_timeout_s=60)
+    base.update(kw)
+    return B.BenchSettings(**base)
+
+
+def test_bench_measures_every_drafter_k_and_concurrency(fake_engine, tmp_path):
+    s = _settings(tmp_path)
+    report = B.run_bench(s, tmp_path / "out", progress=False)
+
+    starts = [json.loads(line) for line in fake_engine.read_text().splitlines()]
+    assert len(starts) == 1 + 3 * 2  # plain, then each drafter at each K, one engine each
+    assert "--speculative-config" not in starts[0]
+    pe = json.loads(starts[-1][starts[-1].index("--speculative-config") + 1])
+    assert pe == {"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 4,
+                  "parallel_drafting": True}
+    ngram = json.loads(starts[1][starts[1].index("--speculative-config") + 1])
+    assert ngram["method"] == "ngram" and ngram["num_speculative_tokens"] == 2
+
+    assert set(report["speedup"]) == {"ngram", "e3", "pe"}
+    for by_k in report["speedup"].values():
+        assert set(by_k) == {"2", "4"} and all(set(by_c) == {"1", "3"} for by_c in by_k.values())
+    points = {(p["drafter"], p["k"], p["temperature"], p["concurrency"]): p for p in report["points"]}
+    assert len(points) == 2 * 2 * (1 + 3 * 2)
+    plain = points[("plain", None, 0.0, 1)]
+    assert plain["output_tokens"] == 6 * 12 and plain["tokens_per_forward"] == 1.0 and plain["tar"] is None
+    assert plain["ttft_ms"] > 0 and plain["tpot_ms"] > 0 and plain["mean_in_flight"] == pytest.approx(1, abs=0.2)
+    # the fake accepts each position with probability 0.6: a_1 near 0.6, tokens per step above 1
+    e3 = points[("e3", 4, 0.0, 1)]
+    assert e3["drafts"] > 0 and e3["draft_tokens"] == 4 * e3["drafts"]
+    assert 1.2 < e3["tokens_per_forward"] < 2.6
+    assert 0.3 < e3["per_position_acceptance"][0] < 0.9 and len(e3["per_position_acceptance"]) <= 4
+    assert e3["tar"] == pytest.approx(e3["accepted"] / e3["draft_tokens"])
+    # speedup is the ratio of the measured throughputs
+    assert report["speedup"]["e3"]["4"]["1"] == pytest.approx(e3["output_tok_s"] / plain["output_tok_s"])
+    assert report["speedup"]["ngram"]["4"]["1"] > 1.0  # fewer, barely dearer steps
+    assert report["lossless"]["pe"]["2"] == {"identical": 12, "compared": 12}
+    assert set(report["speedup_by_temperature"]) == {"0", "0.7"}
+    rec = report["recommendation"]
+    assert rec["serve"]["1"]["drafter"] in {"ngram", "e3", "pe"}
+    assert rec["command_at_lowest_concurrency"].startswith("vllm serve ")
+    assert (tmp_path / "out" / B.PLOT_NAME).stat().st_size > 10_000
+    text = B.format_report(report)
+    assert "temperature 0.7" in text and "12/12" in text and "recommendation" in text
+
+
+def test_killed_bench_resumes_without_measuring_again(fake_engine, tmp_path):
+    s = _settings(tmp_path, drafters=[B.Drafter("plain", "plain"), B.Drafter("ngram", "ngram")], ks=[3],
+                  temperatures=[0.0])
+    out = tmp_path / "out"
+    first = B.run_bench(s, out, progress=False)
+    assert len(fake_engine.read_text().splitlines()) == 2
+    lines = (out / B.POINTS_NAME).read_text().splitlines()
+    # as if killed while measuring ngram at c=3: its line half written
+    (out / B.POINTS_NAME).write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20] + "\n")
+    again = B.run_bench(s, out, progress=False)
+    starts = fake_engine.read_text().splitlines()
+    assert len(starts) == 3 and "ngram" in starts[-1]  # only the unfinished engine started again
+    assert len(again["points"]) == len(first["points"]) == 4
+    # another setting is measured, not mixed in
+    B.run_bench(_settings(tmp_path, drafters=s.drafters, ks=[3], temperatures=[0.0], max_tokens=8, port=s.port),
+                out, progress=False)
+    assert len(fake_engine.read_text().splitlines()) == 5
+
+
+def test_engine_that_dies_is_reported_with_its_log(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # no vllm to import
+    from eyas.engine_process import EngineError
+
+    with pytest.raises(EngineError, match="exited with code"):
+        B.run_bench(_settings(tmp_path, drafters=[B.Drafter("plain", "plain")]), tmp_path / "out", progress=False)
+
+
+def test_counters_read_conditional_acceptance_per_position():
+    counters = {"drafts": 10.0, "draft_tokens": 30.0, "accepted": 9.0, "per_position": [6.0, 3.0, 0.0]}
+    level = B.summarize_level([B.RequestResult(4, 10, 0.1, 1.0, "x")], 1.0, counters)
+    assert level["per_position_acceptance"] == [0.6, 0.5, 0.0]
+    assert level["tokens_per_forward"] == pytest.approx(1.9)
+    assert level["tar"] == pytest.approx(0.3)
+
+
+def test_advice_picks_best_k_and_the_switch_off_concurrency():
+    table = {"a": {"3": {"1": 1.5, "8": 1.1, "32": 0.8}, "5": {"1": 1.7, "8": 1.0, "32": 0.7}},
+             "b": {"3": {"1": 1.2, "8": 1.2, "32": 0.9}}}
+    rec = advise(table, {"a": 0.25, "b": 0.5}, {"a": {"5": "vllm serve t --speculative-config x"}})
+    assert rec["serve"]["1"] == {"drafter": "a", "k": 5, "speedup": 1.7}
+    assert rec["serve"]["8"]["drafter"] == "b"
+    assert rec["serve"]["32"]["drafter"] is None
+    assert rec["speculation_off_from_concurrency"] == 32
+    assert rec["best_k"]["a"] == {"1": 5, "8": 3, "32": 3}
+    assert rec["command_at_lowest_concurrency"] == "vllm serve t --speculative-config x"
+    assert len(rec["warnings"]) == 1 and rec["warnings"][0].startswith("a: TAR 25%")
+
+
+def test_cli_benches_a_head_directory_with_the_targets_prompts(fake_engine, tiny_llama_dir, tmp_path, capsys):
+    from test_export_helpers import random_head
+
+    from eyas.cli import main
+    from eyas.heads.export import export_head
+
+    head_dir = export_head(random_head(algorithm="peagle", mask_token_id=3, num_hidden_layers=2), tmp_path / "pe")
+    workload = tmp_path / "prompts.jsonl"
+    workload.write_text("".join(json.dumps({"prompt": f"question {i}?"}) + "\n" for i in range(3)))
+    out = tmp_path / "bench"
+    rc = main(["bench-serve", "--target", str(tiny_llama_dir), "--head", f"pe={head_dir}", "--workload", str(workload),
+               "--k", "3", "--concurrency", "1,2", "--temperatures", "0", "--max-tokens", "6",
+               "--vllm-python", sys.executable, "--port", str(_free_port()), "--out", str(out), "--json",
+               "--no-progress"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["speedup"]) == {"ngram", "pe"} and set(report["speedup"]["pe"]["3"]) == {"1", "2"}
+    assert report["drafters"]["pe"]["algorithm"] == "peagle" and report["drafters"]["pe"]["num_layers"] == 2
+    assert report["workload"]["prompts"] == 3
+    starts = [json.loads(line) for line in fake_engine.read_text().splitlines()]
+    assert all(s[0] == str(tiny_llama_dir) for s in starts)  # `serve TARGET ...`
+    assert json.loads(starts[-1][starts[-1].index("--speculative-config") + 1])["parallel_drafting"] is True
+    assert (out / "bench_serve.json").is_file() and (out / "bench_serve.png").is_file()
+
+
+def test_cli_refuses_bad_lists_and_a_missing_head(tmp_path):
+    from eyas.cli import main
+
+    with pytest.raises(SystemExit, match="--concurrency"):
+        main(["bench-serve", "--concurrency", "1,0"])
+    with pytest.raises(SystemExit, match="no such head directory"):
+        main(["bench-serve", "--target", str(tmp_path), "--head", str(tmp_path / "nope")])
