@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Optional
 
 from eyas.acceptance import expected_tokens_per_step
@@ -33,17 +34,37 @@ class Hardware:
     pass_overhead: float = 300e-6  # s per pass: sampling, lm_head, scheduling
     bw_efficiency: float = 0.8
     flops_efficiency: float = 0.3  # grouped MoE GEMMs at small per-expert batch
+    memory_bytes: float = 0.0  # accelerator memory, for the VRAM tax (0: unknown)
 
 
 HARDWARE = {h.name: h for h in (
-    Hardware("B200", 8.0e12, 2.25e15),
-    Hardware("H200", 4.8e12, 0.989e15),
-    Hardware("H100", 3.35e12, 0.989e15),
-    Hardware("A100", 2.039e12, 0.312e15),
-    Hardware("L40S", 0.864e12, 0.362e15),
-    Hardware("L4", 0.300e12, 0.121e15),
-    Hardware("MI300X", 5.3e12, 1.307e15),
+    Hardware("B200", 8.0e12, 2.25e15, memory_bytes=180e9),
+    Hardware("H200", 4.8e12, 0.989e15, memory_bytes=141e9),
+    Hardware("H100", 3.35e12, 0.989e15, memory_bytes=80e9),
+    Hardware("A100", 2.039e12, 0.312e15, memory_bytes=80e9),
+    Hardware("L40S", 0.864e12, 0.362e15, memory_bytes=48e9),
+    Hardware("L4", 0.300e12, 0.121e15, memory_bytes=24e9),
+    Hardware("MI300X", 5.3e12, 1.307e15, memory_bytes=192e9),
 )}
+
+
+def load_hardware(spec: str) -> Hardware:
+    """A name from HARDWARE, or a JSON profile (`eyas plan --calibrate` writes one)."""
+    if spec in HARDWARE:
+        return HARDWARE[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"unknown hardware {spec!r}: choose from {', '.join(HARDWARE)} or give a JSON profile file")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not a JSON hardware profile ({err})") from None
+    raw = raw.get("hardware", raw) if isinstance(raw, dict) else raw
+    known = set(Hardware.__dataclass_fields__)
+    if not isinstance(raw, dict) or set(raw) - known or not {"name", "hbm_bandwidth", "peak_flops"} <= set(raw):
+        raise ValueError(f"{path}: a hardware profile holds name, hbm_bandwidth, peak_flops and optionally "
+                         f"{sorted(known - {'name', 'hbm_bandwidth', 'peak_flops'})}; got keys {sorted(raw or {})}")
+    return Hardware(**raw)
 
 
 @dataclass(frozen=True)
@@ -76,6 +97,10 @@ class TargetSize:
         touched = 1.0 - (1.0 - self._route_share()) ** tokens
         return dense + self.expert_params * touched * self.expert_bytes_per_param
 
+    def total_weight_bytes(self) -> float:
+        """Bytes of all weights held in memory (every expert)."""
+        return (self.total_params - self.expert_params) * self.bytes_per_param + self.expert_params * self.expert_bytes_per_param
+
     def _route_share(self) -> float:
         return self.experts_per_token / self.num_experts if self.num_experts else 0.0
 
@@ -104,6 +129,32 @@ TARGETS = {t.name: t for t in (
     TargetSize("llama-3.1-8b", 8.03e9, 8.03e9, 32, 4096, 32, 8, 128, 128256, 14336),
     TargetSize("smollm2-135m", 0.135e9, 0.135e9, 30, 576, 9, 3, 64, 49152, 1536),
 )}
+
+
+def target_size_from_config(cfg: dict, name: str = "measured", bytes_per_param: float = 2.0) -> TargetSize:
+    """Sizes of a Llama/Qwen-style target from its Hugging Face config.json (MoE included:
+    `num_local_experts`/`num_experts`, `num_experts_per_tok`, `moe_intermediate_size`)."""
+    cfg = cfg.get("text_config", cfg)
+    h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", heads)
+    hd = cfg.get("head_dim") or h // heads
+    inter = cfg.get("intermediate_size", 4 * h)
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    per_tok = cfg.get("num_experts_per_tok", 0) if experts else 0
+    attn = h * (heads + 2 * kv) * hd + heads * hd * h
+    embed = vocab * h * (1 if cfg.get("tie_word_embeddings", False) else 2)
+    if experts:
+        expert_total = layers * experts * 3 * h * cfg.get("moe_intermediate_size", inter)
+        dense = layers * (attn + h * experts) + embed
+    else:
+        expert_total, dense = 0.0, layers * (attn + 3 * h * inter) + embed
+    total = dense + expert_total
+    active = dense + expert_total * (per_tok / experts if experts else 0)
+    window = cfg.get("sliding_window") if cfg.get("layer_types") or cfg.get("use_sliding_window") else None
+    sliding = (sum(t == "sliding_attention" for t in cfg.get("layer_types") or []) / layers) if window else 0.0
+    return TargetSize(name, float(total), float(active), layers, h, heads, kv, hd, vocab, inter, bytes_per_param,
+                      float(expert_total), experts, per_tok, bytes_per_param, window if sliding else None, sliding)
 
 
 def parse_target(spec: str) -> TargetSize:
@@ -164,7 +215,10 @@ def target_time(hw: Hardware, t: TargetSize, batch: int, tokens_per_seq: int, co
 
 def draft_time(hw: Hardware, head: HeadSize, batch: int, k: int, accepted: float, context: int) -> float:
     """EAGLE-3: a pass over the ~E newly accepted entries, then K-1 one-token passes.
-    P-EAGLE: one pass over the accepted entries plus K-1 mask slots."""
+    P-EAGLE: one pass over the accepted entries plus K-1 mask slots. n-gram: no pass (its
+    lookup runs on the host while the target's step is prepared)."""
+    if head.algorithm == "ngram":
+        return 0.0
     kv = batch * head.kv_per_token * context
     wbytes = head.params * 2
     if head.algorithm == "peagle":
@@ -193,12 +247,14 @@ class Plan:
     speedup: dict = field(default_factory=dict)  # {concurrency: {k: speedup}}
     best_k: dict = field(default_factory=dict)
     breakeven_concurrency: Optional[int] = None  # smallest concurrency where no K pays
+    vram: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"hardware": asdict(self.hardware), "target": asdict(self.target), "head": asdict(self.head),
                 "acceptance": self.acceptance, "context": self.context,
                 "expected_tokens_per_step": {k: expected_tokens_per_step(self.acceptance[:k]) for k in self.ks},
-                "speedup": self.speedup, "best_k": self.best_k, "breakeven_concurrency": self.breakeven_concurrency}
+                "speedup": self.speedup, "best_k": self.best_k, "breakeven_concurrency": self.breakeven_concurrency,
+                "vram_tax": self.vram}
 
 
 def plan(acceptance: list[float], hw: Hardware, target: TargetSize, head: HeadSize, context: int = 2048,
@@ -206,6 +262,7 @@ def plan(acceptance: list[float], hw: Hardware, target: TargetSize, head: HeadSi
     ks = list(range(1, max_k + 1))
     rates = extend_rates(list(acceptance), max_k)
     p = Plan(hw, target, head, rates, context, list(concurrency), ks)
+    p.vram = vram_tax(hw, target, head, context)
     for b in concurrency:
         plain = target_time(hw, target, b, 1, context)
         row = {}
@@ -243,6 +300,7 @@ def assumptions(p: Plan) -> list[str]:
         "acceptance a_k: " + ", ".join(f"{a:.3f}" for a in p.acceptance)
         + " (positions past the measured ones repeat the last measured rate)",
         "E_K = 1 + sum_k prod_{j<=k} a_j; speedup = E_K * t_plain / (t_draft + t_verify(K+1))",
+        format_vram_tax(p.vram),
     ]
     return lines
 
@@ -285,3 +343,33 @@ def with_overrides(hw: Hardware, **kw) -> Hardware:
 
 def dumps(plans: dict) -> str:
     return json.dumps({n: p.as_dict() for n, p in plans.items()}, indent=2)
+
+
+def vram_tax(hw: Hardware, target: TargetSize, head: HeadSize, context: int, memory_utilization: float = 0.9) -> dict:
+    """What the head costs in accelerator memory: its weights (bf16), its KV cache per token
+    and per sequence, and how many fewer sequences of `context` tokens fit in the KV budget
+    left after the target's weights (`memory_utilization` of the device, vLLM's default)."""
+    head_bytes = head.params * 2
+    target_kv = target.kv_bytes(context)
+    head_kv = head.kv_per_token * context
+    out = {"head_weight_bytes": head_bytes, "draft_kv_bytes_per_token": head.kv_per_token,
+           "draft_kv_bytes_per_sequence": head_kv, "target_kv_bytes_per_sequence": target_kv,
+           "target_weight_bytes": target.total_weight_bytes(), "context": context}
+    if hw.memory_bytes:
+        budget = hw.memory_bytes * memory_utilization - target.total_weight_bytes()
+        plain = max(0, int(budget // target_kv))
+        spec = max(0, int((budget - head_bytes) // (target_kv + head_kv)))
+        out.update(kv_budget_bytes=budget, sequences_plain=plain, sequences_with_head=spec,
+                   fewer_sequences=plain - spec, fewer_fraction=(plain - spec) / plain if plain else None)
+    return out
+
+
+def format_vram_tax(tax: dict) -> str:
+    line = (f"VRAM tax: head {tax['head_weight_bytes'] / 1e9:.2f} GB, draft KV {tax['draft_kv_bytes_per_token'] / 1e3:.1f} "
+            f"KB/token ({tax['draft_kv_bytes_per_sequence'] / 1e6:.1f} MB per sequence at {tax['context']} tokens, "
+            f"target {tax['target_kv_bytes_per_sequence'] / 1e6:.1f} MB)")
+    if "sequences_plain" in tax:
+        frac = tax["fewer_fraction"]
+        line += (f"; {tax['sequences_plain']} sequences fit plain, {tax['sequences_with_head']} with the head "
+                 f"({tax['fewer_sequences']} fewer" + (f", {frac:.1%})" if frac is not None else ")"))
+    return line

@@ -8,6 +8,12 @@ printed.
 
   eyas plan --report runs/x/eval/eval_report.json --hardware H200 --target-params llama-3.1-8b
   eyas plan --acceptance 0.8,0.75,0.7 --hardware B200 --target-params gpt-oss-20b --compare
+  eyas plan --calibrate runs/x/bench_serve/bench_serve.json      # fit the hardware terms to a measurement
+  eyas plan --hardware runs/x/bench_serve/hardware-calibrated.json --target-params smollm2-135m --acceptance ...
+
+With --calibrate, the planner's hardware terms are fitted to an `eyas bench-serve`
+report: the fit error per point, the prediction of held-out points (every second
+concurrency unless --holdout-concurrency / --holdout-k say otherwise) and the saved profile.
 """
 
 from __future__ import annotations
@@ -26,8 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_recipe_arguments(parser)
     parser.add_argument("--report", help="eval_report.json from `eyas eval` (default: run_dir/eval/eval_report.json)")
     parser.add_argument("--acceptance", help="per-position acceptance a_1,a_2,... instead of a report")
-    parser.add_argument("--hardware", default="H200", help=f"one of {', '.join(HARDWARE)}")
-    parser.add_argument("--target-params", required=True,
+    parser.add_argument("--hardware", default="H200",
+                        help=f"one of {', '.join(HARDWARE)}, or a JSON profile written by --calibrate")
+    parser.add_argument("--calibrate", metavar="BENCH.json", help="fit the hardware terms to an `eyas bench-serve` report")
+    parser.add_argument("--holdout-concurrency", help="with --calibrate: concurrencies left out of the fit (comma list)")
+    parser.add_argument("--holdout-k", help="with --calibrate: K values left out of the fit (comma list)")
+    parser.add_argument("--save-hardware", help="with --calibrate: where the profile goes (default: next to the report)")
+    parser.add_argument("--target-params",
                         help=f"one of {', '.join(TARGETS)}, or key=value sizes (total_params=8e9,num_layers=32,...)")
     parser.add_argument("--algorithm", choices=["eagle3", "peagle"], help="default: the report's head")
     parser.add_argument("--compare", action="store_true", help="plan EAGLE-3 (K chained passes) and P-EAGLE (one pass) side by side")
@@ -95,15 +106,62 @@ def _check_flags(args) -> list[int]:
     return conc
 
 
+def _ints(flag: str, text) -> list[int]:
+    if not text:
+        return []
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"eyas plan: {flag} {text!r}: expected whole numbers a,b,...") from None
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from eyas.eval import calibrate as C
+
+    path = Path(args.calibrate)
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SystemExit(f"eyas plan: --calibrate {path}: not a readable bench-serve report ({err})") from None
+    if not isinstance(report, dict) or report.get("kind") != "eyas bench-serve":
+        raise SystemExit(f"eyas plan: --calibrate {path}: not an `eyas bench-serve` report")
+    held_k = _ints("--holdout-k", args.holdout_k)
+    held_c = _ints("--holdout-concurrency", args.holdout_concurrency)
+    if not held_c and not held_k:
+        held_c = C.default_holdout(report)
+    try:
+        cal = C.calibrate(report, held_c, held_k, name=f"calibrated:{path.parent.name}")
+    except C.CalibrationError as err:
+        raise SystemExit(f"eyas plan: --calibrate {path}: {err}") from None
+    out = Path(args.save_hardware) if args.save_hardware else path.parent / "hardware-calibrated.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    body = cal.as_dict()
+    out.write_text(json.dumps({"hardware": body["hardware"], "calibrated_from": str(path), "target": body["target"],
+                               "max_heldout_error": cal.max_heldout_error}, indent=2) + "\n")
+    if args.json:
+        print(json.dumps({**body, "profile": str(out), "holdout_concurrency": held_c, "holdout_k": held_k}))
+        return 0
+    print(f"calibrating on {path} (held out: concurrency {held_c or '-'}, K {held_k or '-'})")
+    print(C.format_calibration(cal))
+    print(f"saved the profile to {out}; use it with --hardware {out}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from eyas.eval import planner as P
 
+    if args.calibrate:
+        return run_calibrate(args)
+    if not args.target_params:
+        raise SystemExit("eyas plan: --target-params is required (a name or key=value sizes), unless --calibrate")
     given_conc = _check_flags(args)
     recipe = load_recipe_from_args(args)
     rates, report_alg, source, head_dir = _acceptance(args, recipe)
-    if args.hardware not in P.HARDWARE:
-        raise SystemExit(f"eyas plan: unknown hardware {args.hardware!r}; choose from {', '.join(P.HARDWARE)}")
-    hw = P.with_overrides(P.HARDWARE[args.hardware],
+    try:
+        base_hw = P.load_hardware(args.hardware)
+    except ValueError as err:
+        raise SystemExit(f"eyas plan: {err}") from None
+    hw = P.with_overrides(base_hw,
                           layer_latency=args.layer_latency_us * 1e-6 if args.layer_latency_us is not None else None,
                           pass_overhead=args.pass_overhead_us * 1e-6 if args.pass_overhead_us is not None else None)
     try:
@@ -124,9 +182,16 @@ def run(args: argparse.Namespace) -> int:
     serve_at = args.serve_concurrency if args.serve_concurrency in conc else conc[0]
     model = head_dir or str(recipe.paths.export)  # the head the report measured
     configs = {alg: P.speculative_config(p, serve_at, model) for alg, p in plans.items()}
+    from eyas.eval.advice import advise, format_advice
+
+    table = {alg: {str(k): {str(b): p.speedup[b][k] for b in p.concurrency} for k in p.ks} for alg, p in plans.items()}
+    commands = {alg: {str(k): f"vllm serve <target> --speculative-config '{json.dumps({**configs[alg], 'num_speculative_tokens': k})}'"
+                      for k in p.ks} for alg, p in plans.items()}
+    advice = advise(table, None, commands)
     if args.json:
         body = json.loads(P.dumps(plans))
-        print(json.dumps({"acceptance_source": source, "plans": body, "speculative_config": configs}, indent=2))
+        print(json.dumps({"acceptance_source": source, "plans": body, "speculative_config": configs,
+                          "recommendation": advice}, indent=2))
         return 0
     print(f"inputs: acceptance from {source}")
     for alg, p in plans.items():
@@ -141,5 +206,6 @@ def run(args: argparse.Namespace) -> int:
         same = ", ".join(f"{b}: {pe.speedup[b][args.max_k - 1] / e3.speedup[b][args.max_k - 1]:.2f}x" for b in conc)
         print(f"\nP-EAGLE over EAGLE-3 (best K each, same acceptance): {ratio}")
         print(f"P-EAGLE over EAGLE-3 at K={args.max_k - 1} (same acceptance): {same}")
+    print("\n" + format_advice(advice))
     print(f"wrote {out / 'plan.png'}, {out / 'plan.json'}", file=sys.stderr)
     return 0
