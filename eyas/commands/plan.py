@@ -182,12 +182,16 @@ def run(args: argparse.Namespace) -> int:
     serve_at = args.serve_concurrency if args.serve_concurrency in conc else conc[0]
     model = head_dir or str(recipe.paths.export)  # the head the report measured
     configs = {alg: P.speculative_config(p, serve_at, model) for alg, p in plans.items()}
+    from eyas.acceptance import expected_tokens_per_step
     from eyas.eval.advice import advise, format_advice
 
     table = {alg: {str(k): {str(b): p.speedup[b][k] for b in p.concurrency} for k in p.ks} for alg, p in plans.items()}
     commands = {alg: {str(k): f"vllm serve <target> --speculative-config '{json.dumps({**configs[alg], 'num_speculative_tokens': k})}'"
                       for k in p.ks} for alg, p in plans.items()}
-    advice = advise(table, None, commands)
+    # TAR at the K served at the lowest concurrency: (E_K - 1) / K
+    tars = {alg: (expected_tokens_per_step(p.acceptance[:p.best_k[conc[0]]]) - 1) / p.best_k[conc[0]]
+            for alg, p in plans.items()}
+    advice = advise(table, tars, commands)
     if args.json:
         body = json.loads(P.dumps(plans))
         print(json.dumps({"acceptance_source": source, "plans": body, "speculative_config": configs,

