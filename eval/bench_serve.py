@@ -210,6 +210,15 @@ async def run_level(url: str, prompts: list[list[int]], concurrency: int, s: Ben
         return list(results), time.perf_counter() - start
 
 
+def tokens_per_forward(output_tokens: int, requests: int, accepted: float) -> float:
+    """τ of §6: decode tokens per target decode step, steps without a draft counted (the
+    n-gram drafter proposes only after a match). Each request's first token comes from
+    its prefill; every decode step yields one token plus the drafts it accepted."""
+    decoded = output_tokens - requests
+    steps = decoded - accepted
+    return decoded / steps if steps > 0 else 1.0
+
+
 def summarize_level(results: list[RequestResult], wall: float, counters: dict) -> dict:
     """Speed and acceptance of one level (DESIGN §6.2 defines each number)."""
     out_tokens = sum(r.output_tokens for r in results)
@@ -232,7 +241,7 @@ def summarize_level(results: list[RequestResult], wall: float, counters: dict) -
         "mean_in_flight": sum(r.latency_s for r in results) / wall if wall > 0 else 0.0,
         "mean_context": statistics.fmean(r.prompt_tokens + r.output_tokens / 2 for r in results),
         "drafts": drafts, "draft_tokens": proposed, "accepted": accepted,
-        "tokens_per_forward": 1.0 + accepted / drafts if drafts else 1.0,
+        "tokens_per_forward": tokens_per_forward(out_tokens, len(results), accepted),
         "tar": accepted / proposed if proposed else None,
         "per_position_acceptance": rates,
         "output_sha1": [hashlib.sha1(r.text.encode()).hexdigest()[:12] for r in results],

@@ -111,10 +111,12 @@ def test_engine_that_dies_is_reported_with_its_log(monkeypatch, tmp_path):
 
 def test_counters_read_conditional_acceptance_per_position():
     counters = {"drafts": 10.0, "draft_tokens": 30.0, "accepted": 9.0, "per_position": [6.0, 3.0, 0.0]}
-    level = B.summarize_level([B.RequestResult(4, 10, 0.1, 1.0, "x")], 1.0, counters)
+    level = B.summarize_level([B.RequestResult(4, 20, 0.1, 1.0, "x")], 1.0, counters)
     assert level["per_position_acceptance"] == [0.6, 0.5, 0.0]
-    assert level["tokens_per_forward"] == pytest.approx(1.9)
     assert level["tar"] == pytest.approx(0.3)
+    # 20 tokens: 1 from the prefill, 19 decoded, 9 of them accepted drafts -> 10 decode steps
+    assert level["tokens_per_forward"] == pytest.approx(19 / 10)
+    assert B.tokens_per_forward(20, 1, 0.0) == 1.0
 
 
 def test_advice_picks_best_k_and_the_switch_off_concurrency():

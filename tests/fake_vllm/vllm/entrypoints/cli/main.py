@@ -39,13 +39,13 @@ def _generate(handler, body, spec):
     made, step = 0, 0
     try:
         while made < body["max_tokens"]:
-            accepted = 0
-            while accepted < k and _uniform(seed, step, accepted) < ACCEPT:
+            accepted = 0  # the first token comes from the prefill, undrafted
+            while step and accepted < k and _uniform(seed, step, accepted) < ACCEPT:
                 accepted += 1
             n = min(1 + accepted, body["max_tokens"] - made)
             cost = 1.0 + 0.04 * k + (0.1 * k if spec and spec["method"] == "eagle3" else 0.0)
             time.sleep(STEP_S * cost * (1 + 0.15 * (STATE["active"] - 1)))
-            if k:
+            if k and step:
                 with STATE["lock"]:
                     STATE["drafts"] += 1
                     STATE["draft_tokens"] += k
