@@ -348,8 +348,9 @@ def build_report(s: BenchSettings, points: list[dict]) -> dict:
                         entry["compared"] += len(plain["output_sha1"])
         speedup_by_t[f"{t:g}"] = table
     greedy = f"{0.0:g}" if 0.0 in s.temperatures else f"{s.temperatures[0]:g}"
-    tars = {d.name: statistics.fmean(p["tar"] for p in points if p["drafter"] == d.name and p["tar"] is not None)
-            for d in spec_drafters if any(p["drafter"] == d.name and p["tar"] is not None for p in points)}
+    at_greedy = [p for p in points if f"{p['temperature']:g}" == greedy and p["tar"] is not None]
+    tars = {d.name: statistics.fmean(p["tar"] for p in at_greedy if p["drafter"] == d.name)
+            for d in spec_drafters if any(p["drafter"] == d.name for p in at_greedy)}
     commands = {d.name: {str(k): vllm_serve_command(s.target, d.speculative_config(k)) for k in s.ks}
                 for d in spec_drafters}
     return {

@@ -114,8 +114,8 @@ def calibrate(report: dict, holdout_concurrency=(), holdout_k=(), name: str = "m
 
 
 def default_holdout(report: dict) -> list[int]:
-    """Every second measured concurrency, from the second: the fit must interpolate them."""
-    return sorted(report["concurrency"])[1::2]
+    """Every second interior concurrency: the fit keeps both ends and interpolates these."""
+    return sorted(report["concurrency"])[1:-1][::2]
 
 
 def format_calibration(cal: Calibration) -> str:

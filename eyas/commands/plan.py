@@ -12,7 +12,7 @@ printed.
   eyas plan --hardware runs/x/bench_serve/hardware-calibrated.json --target-params smollm2-135m --acceptance ...
 
 With --calibrate, the planner's hardware terms are fitted to an `eyas bench-serve`
-report: the fit error per point, the prediction of held-out points (every second
+report: the fit error per point, the prediction of held-out points (every second interior
 concurrency unless --holdout-concurrency / --holdout-k say otherwise) and the saved profile.
 """
 
