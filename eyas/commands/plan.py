@@ -184,10 +184,11 @@ def run(args: argparse.Namespace) -> int:
     configs = {alg: P.speculative_config(p, serve_at, model) for alg, p in plans.items()}
     from eyas.acceptance import expected_tokens_per_step
     from eyas.eval.advice import advise, format_advice
+    from eyas.eval.bench_report import vllm_serve_command
 
     table = {alg: {str(k): {str(b): p.speedup[b][k] for b in p.concurrency} for k in p.ks} for alg, p in plans.items()}
-    commands = {alg: {str(k): f"vllm serve <target> --speculative-config '{json.dumps({**configs[alg], 'num_speculative_tokens': k})}'"
-                      for k in p.ks} for alg, p in plans.items()}
+    commands = {alg: {str(k): vllm_serve_command("<target>", {**configs[alg], "num_speculative_tokens": k}) for k in p.ks}
+                for alg, p in plans.items()}
     # TAR at the K served at the lowest concurrency: (E_K - 1) / K
     tars = {alg: (expected_tokens_per_step(p.acceptance[:p.best_k[conc[0]]]) - 1) / p.best_k[conc[0]]
             for alg, p in plans.items()}
