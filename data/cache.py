@@ -32,7 +32,6 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -86,7 +85,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def read_manifest(split_dir: Path) -> Optional[dict]:
+def read_manifest(split_dir: Path) -> dict | None:
     """The split's manifest, None when there is none; a manifest cut off or not JSON is a
     damaged cache, named (its shards cannot be trusted without it)."""
     path = Path(split_dir) / MANIFEST
@@ -95,11 +94,15 @@ def read_manifest(split_dir: Path) -> Optional[dict]:
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DamagedShardError(f"{path}: the cache manifest is damaged ({err}); remove {Path(split_dir)} "
-                                "and run `eyas capture` again") from None
+        raise DamagedShardError(
+            f"{path}: the cache manifest is damaged ({err}); remove {Path(split_dir)} "
+            "and run `eyas capture` again"
+        ) from None
     if not isinstance(manifest, dict):
-        raise DamagedShardError(f"{path}: the cache manifest is not a JSON object; remove {Path(split_dir)} "
-                                "and run `eyas capture` again")
+        raise DamagedShardError(
+            f"{path}: the cache manifest is not a JSON object; remove {Path(split_dir)} "
+            "and run `eyas capture` again"
+        )
     return manifest
 
 
@@ -113,16 +116,20 @@ def resolve_split_dir(path: str | Path, split: str = "train") -> Path:
     return path if (path / MANIFEST).is_file() else path / split
 
 
-def stale_cache_problem(split_dir: Path, cached_digest: Optional[str], prepared_digest: Optional[str]) -> Optional[str]:
+def stale_cache_problem(
+    split_dir: Path, cached_digest: str | None, prepared_digest: str | None
+) -> str | None:
     """The line that says a cache was captured from other prepared data than the run's
     prepared directory holds now, or None (they match, or one side predates digests)."""
     if cached_digest is None or prepared_digest is None or cached_digest == prepared_digest:
         return None
-    return (f"{split_dir}: captured from other prepared data than the run's prepared/ holds now (prepared "
-            f"again since?); rerun `eyas capture --overwrite` to capture the new data")
+    return (
+        f"{split_dir}: captured from other prepared data than the run's prepared/ holds now (prepared "
+        f"again since?); rerun `eyas capture --overwrite` to capture the new data"
+    )
 
 
-def verify_cache(path: str | Path, split: str = "train", prepared_digest: Optional[str] = None) -> list[str]:
+def verify_cache(path: str | Path, split: str = "train", prepared_digest: str | None = None) -> list[str]:
     """Check every shard against the manifest, and (given `prepared_digest`, from
     prepared/meta.json) that the cache is of that data; one line per problem (empty: intact)."""
     split_dir = resolve_split_dir(path, split)
@@ -165,7 +172,7 @@ class FeatureCache:
         self.aux_layer_ids: list[int] = list(manifest["aux_layer_ids"])
         self.hidden_size: int = manifest["hidden_size"]
         self.aux_dtype: str = manifest["aux_dtype"]
-        self.prepared_digest: Optional[str] = manifest.get("prepared_digest")
+        self.prepared_digest: str | None = manifest.get("prepared_digest")
         self.lengths: list[int] = [n for s in manifest["shards"] for n in s["lengths"]]
         self._shard_start: list[int] = []
         start = 0
@@ -193,8 +200,10 @@ class FeatureCache:
             raise DamagedShardError(f"{f}: missing")
         data = f.read_bytes()
         if sha256_bytes(data) != meta["sha256"]:
-            raise DamagedShardError(f"{f}: checksum mismatch; the shard is damaged. Delete it and "
-                                    "rerun `eyas capture` to recompute it")
+            raise DamagedShardError(
+                f"{f}: checksum mismatch; the shard is damaged. Delete it and "
+                "rerun `eyas capture` to recompute it"
+            )
         tensors = load(data)
         self._loaded = (k, tensors)
         return tensors

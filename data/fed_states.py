@@ -18,15 +18,16 @@ earlier runs the target as usual. The positions after the shared tokens (the tem
 tail after the reply, e.g. `<|im_end|>\\n`) get zero states: a state at slot t only
 serves the labels at t+1 and later (the target logits of slot t, the head's query at t
 and the keys it reads, all causal), and the last label, the end-of-turn token, is
-predicted from the last reply token, which was fed. The trainer's loss is therefore the same as with a full capture up
-to bf16 rounding of the decode kernels (tests/test_fed_states.py compares them).
+predicted from the last reply token, which was fed. The trainer's loss is therefore the
+same as with a full capture up to bf16 rounding of the decode kernels
+(tests/test_fed_states.py compares them).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 
@@ -43,8 +44,12 @@ def fed_state_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> list[i
     return [*aux_layer_ids, num_layers]
 
 
-def write_fed_states(out_dir: str | Path, fed: dict[int, tuple[Sequence[int], torch.Tensor]],
-                     layer_ids: Sequence[int], target: str) -> Optional[Path]:
+def write_fed_states(
+    out_dir: str | Path,
+    fed: dict[int, tuple[Sequence[int], torch.Tensor]],
+    layer_ids: Sequence[int],
+    target: str,
+) -> Path | None:
     """Write one batch's states: fed = {conversation index: (fed ids [n], states [n, C])}.
     Returns the file written (the next free `batch-NNNNNN.safetensors`), None when empty."""
     from safetensors.torch import save
@@ -90,8 +95,14 @@ class FedStates:
                 log.warning("%s: unreadable (%s); its samples are captured by running the target", path, err)
                 continue
             if meta.get("format") != FORMAT or meta.get("layer_ids") != want or meta.get("target") != target:
-                log.warning("%s: states of target %r, layers %s, not %r, %s; not used", path, meta.get("target"),
-                            meta.get("layer_ids"), target, want)
+                log.warning(
+                    "%s: states of target %r, layers %s, not %r, %s; not used",
+                    path,
+                    meta.get("target"),
+                    meta.get("layer_ids"),
+                    target,
+                    want,
+                )
                 continue
             for slot, c in enumerate(conversations):
                 self._where[c] = (path, slot)
@@ -111,7 +122,9 @@ class FedStates:
             self._open_files[path] = (f, f.get_tensor("offsets"), f.get_tensor("fed_ids"))
         return self._open_files[path]
 
-    def states_for(self, conversation: int, input_ids: Sequence[int], loss_mask: Sequence[int]) -> Optional[torch.Tensor]:
+    def states_for(
+        self, conversation: int, input_ids: Sequence[int], loss_mask: Sequence[int]
+    ) -> torch.Tensor | None:
         """The states `[len(input_ids), C]` of a prepared sample from `conversation`, zero
         after the tokens it shares with the fed ids; None when they cannot stand in for a
         capture (module docstring)."""
@@ -123,11 +136,11 @@ class FedStates:
         a, b = int(offsets[slot]), int(offsets[slot + 1])
         n = len(input_ids)
         m = min(b - a, n)
-        differ = (fed_ids[a:a + m] != torch.as_tensor(list(input_ids[:m]), dtype=fed_ids.dtype)).nonzero()
+        differ = (fed_ids[a : a + m] != torch.as_tensor(list(input_ids[:m]), dtype=fed_ids.dtype)).nonzero()
         m = int(differ[0, 0]) if differ.numel() else m  # the tokens both share from the start
-        if m == 0 or any(loss_mask[m + 1:]):
+        if m == 0 or any(loss_mask[m + 1 :]):
             return None
-        fed = f.get_slice("states")[a:a + m]
+        fed = f.get_slice("states")[a : a + m]
         if m == n:
             return fed
         out = fed.new_zeros(n, fed.shape[1])

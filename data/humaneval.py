@@ -44,9 +44,17 @@ def humaneval_rows(source: str) -> list[dict]:
             problem = json.loads(line)
             if not _in_split(problem["task_id"], split):
                 continue
-            ask = ("Complete the following Python function. Reply with the whole function in a Python code block.\n\n"
-                   f"```python\n{problem['prompt']}```")
+            ask = (
+                "Complete the following Python function. Reply with the whole function in a Python code "
+                "block.\n\n"
+                f"```python\n{problem['prompt']}```"
+            )
             reply = f"```python\n{problem['prompt']}{problem['canonical_solution']}```"
-            rows.append({"id": problem["task_id"], "category": "humaneval",
-                         "conversations": [{"from": "human", "value": ask}, {"from": "gpt", "value": reply}]})
+            rows.append(
+                {
+                    "id": problem["task_id"],
+                    "category": "humaneval",
+                    "conversations": [{"from": "human", "value": ask}, {"from": "gpt", "value": reply}],
+                }
+            )
     return rows

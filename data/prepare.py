@@ -22,7 +22,6 @@ import json
 import logging
 import random
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -32,8 +31,15 @@ from eyas.data.templates import TemplateError, render_with_mask
 log = logging.getLogger(__name__)
 
 
-def render_all(tokenizer, conversations, max_length: int, train_on: str, report: DropReport,
-               progress: bool = True, truncate: bool = False) -> tuple[list[list[int]], list[list[int]], list[int]]:
+def render_all(
+    tokenizer,
+    conversations,
+    max_length: int,
+    train_on: str,
+    report: DropReport,
+    progress: bool = True,
+    truncate: bool = False,
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
     """Render every conversation -> (input ids, loss masks, index of each rendered
     conversation in `conversations`). Failures are dropped and counted on `report`; the
     samples cut to `max_length` (with `truncate`) are counted too."""
@@ -73,7 +79,9 @@ def drop_duplicates(conversations: list[list[dict]], prompts_only: bool) -> tupl
     surrounding whitespace."""
     seen, kept = set(), []
     for conv in conversations:
-        key = tuple((m["role"], m["content"].strip()) for m in conv if not (prompts_only and m["role"] == "assistant"))
+        key = tuple(
+            (m["role"], m["content"].strip()) for m in conv if not (prompts_only and m["role"] == "assistant")
+        )
         if key in seen:
             continue
         seen.add(key)
@@ -93,7 +101,9 @@ def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], l
     return sorted(order[n_eval:]), sorted(order[:n_eval])
 
 
-def token_frequencies(input_ids: list[list[int]], loss_masks: list[list[int]], vocab_size: int) -> torch.Tensor:
+def token_frequencies(
+    input_ids: list[list[int]], loss_masks: list[list[int]], vocab_size: int
+) -> torch.Tensor:
     """Counts [Vt] int64 of each token id over the masked positions."""
     freqs = torch.zeros(vocab_size, dtype=torch.int64)
     for ids, mask in zip(input_ids, loss_masks):
@@ -102,7 +112,7 @@ def token_frequencies(input_ids: list[list[int]], loss_masks: list[list[int]], v
     return freqs
 
 
-def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None, progress: bool = True) -> dict:
+def prepare(recipe, out_dir: Path | None = None, tokenizer=None, target=None, progress: bool = True) -> dict:
     """Run the prepare stage for a recipe; returns the meta dict written to meta.json.
 
     `tokenizer` / `target` may be passed in (tests, notebooks); otherwise the tokenizer
@@ -110,6 +120,7 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
     """
     import datasets
     from safetensors.torch import save_file
+
     from eyas.data.targets import load_target, load_tokenizer
 
     cfg = recipe.data
@@ -120,14 +131,22 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
     if cfg.regenerate.enabled:
         if target is None and cfg.regenerate.backend == "hf":
             t = recipe.target
-            target = load_target(t.name_or_path, t.dtype, t.device, t.attn_implementation, t.trust_remote_code,
-                                 t.revision, work_rows=cfg.regenerate.batch_size)
+            target = load_target(
+                t.name_or_path,
+                t.dtype,
+                t.device,
+                t.attn_implementation,
+                t.trust_remote_code,
+                t.revision,
+                work_rows=cfg.regenerate.batch_size,
+            )
         tokenizer = tokenizer or (target.tokenizer if target is not None else None)
         from eyas.data.regenerate import regenerate
 
         kwargs = regeneration_kwargs(recipe, target, out_dir, report, progress)
-        tokenizer = tokenizer or load_tokenizer(recipe.target.name_or_path, recipe.target.revision,
-                                                recipe.target.trust_remote_code)
+        tokenizer = tokenizer or load_tokenizer(
+            recipe.target.name_or_path, recipe.target.revision, recipe.target.trust_remote_code
+        )
         conversations = regenerate(conversations, tokenizer, out_dir / "regenerated.jsonl", **kwargs)
         if report.token_checks:
             log.info("regenerated turns against the server's token ids: %s", dict(report.token_checks))
@@ -140,9 +159,18 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
         source_index = [i for i, c in enumerate(conversations) if any(m["role"] == "assistant" for m in c)]
         conversations = [conversations[i] for i in source_index]
     if tokenizer is None:
-        tokenizer = load_tokenizer(recipe.target.name_or_path, recipe.target.revision, recipe.target.trust_remote_code)
-    ids, masks, kept = render_all(tokenizer, conversations, cfg.max_length, cfg.train_on, report, progress,
-                                  truncate=cfg.over_length == "truncate")
+        tokenizer = load_tokenizer(
+            recipe.target.name_or_path, recipe.target.revision, recipe.target.trust_remote_code
+        )
+    ids, masks, kept = render_all(
+        tokenizer,
+        conversations,
+        cfg.max_length,
+        cfg.train_on,
+        report,
+        progress,
+        truncate=cfg.over_length == "truncate",
+    )
     (out_dir / "drop_report.json").write_text(json.dumps(report.as_dict(), indent=1) + "\n")
     log.info("prepared: %s", report.summary())
     if not ids:
@@ -150,41 +178,62 @@ def prepare(recipe, out_dir: Optional[Path] = None, tokenizer=None, target=None,
     train_idx, eval_idx = split_indices(len(ids), cfg.eval_fraction, cfg.seed)
     # `conversation`: where a sample came from (its index after dedupe, the `index` of its
     # regenerated.jsonl record), for reports and for the capture's regeneration states.
-    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
-                                  "loss_mask": datasets.Sequence(datasets.Value("uint8")),
-                                  "conversation": datasets.Value("int64")})
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "loss_mask": datasets.Sequence(datasets.Value("uint8")),
+            "conversation": datasets.Value("int64"),
+        }
+    )
 
     def split(idx):
-        return datasets.Dataset.from_dict({"input_ids": [ids[i] for i in idx], "loss_mask": [masks[i] for i in idx],
-                                           "conversation": [source_index[kept[i]] for i in idx]},
-                                          features=features)
+        return datasets.Dataset.from_dict(
+            {
+                "input_ids": [ids[i] for i in idx],
+                "loss_mask": [masks[i] for i in idx],
+                "conversation": [source_index[kept[i]] for i in idx],
+            },
+            features=features,
+        )
 
     # An empty split is left out: `datasets` cannot reload a zero-row Arrow split.
-    dd = datasets.DatasetDict({name: split(idx) for name, idx in (("train", train_idx), ("eval", eval_idx)) if idx})
+    dd = datasets.DatasetDict(
+        {name: split(idx) for name, idx in (("train", train_idx), ("eval", eval_idx)) if idx}
+    )
     dd.save_to_disk(str(out_dir / "dataset"))
     # The held-out conversations as an eval workload (`eyas eval --workload <this file>`):
     # what the trainer's held-out accuracy predicts, beside MT-bench's shift of topic.
     with open(out_dir / "eval_prompts.jsonl", "w", encoding="utf-8") as f:
         for i in eval_idx:
-            f.write(json.dumps({"id": f"eval-{i}", "messages": conversations[kept[i]]}, ensure_ascii=False) + "\n")
+            f.write(
+                json.dumps({"id": f"eval-{i}", "messages": conversations[kept[i]]}, ensure_ascii=False) + "\n"
+            )
     vocab = max(len(tokenizer), max(max(r) for r in ids) + 1, _config_vocab_size(recipe))
     freqs = token_frequencies([ids[i] for i in train_idx], [masks[i] for i in train_idx], vocab)
     save_file({"freqs": freqs}, str(out_dir / "token_freqs.safetensors"))
-    meta = {"digest": prepared_digest({"train": train_idx, "eval": eval_idx}, ids, masks),
-            "target": recipe.target.name_or_path, "tokenizer_vocab_size": vocab, "train": len(train_idx),
-            "eval": len(eval_idx), "train_tokens": sum(len(ids[i]) for i in train_idx),
-            "masked_train_tokens": int(freqs.sum()), "max_length": cfg.max_length, "train_on": cfg.train_on,
-            "drop_report": report.as_dict()}
+    meta = {
+        "digest": prepared_digest({"train": train_idx, "eval": eval_idx}, ids, masks),
+        "target": recipe.target.name_or_path,
+        "tokenizer_vocab_size": vocab,
+        "train": len(train_idx),
+        "eval": len(eval_idx),
+        "train_tokens": sum(len(ids[i]) for i in train_idx),
+        "masked_train_tokens": int(freqs.sum()),
+        "max_length": cfg.max_length,
+        "train_on": cfg.train_on,
+        "drop_report": report.as_dict(),
+    }
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
 
-def gather_conversations(cfg, max_samples: Optional[int] = None):
+def gather_conversations(cfg, max_samples: int | None = None):
     """The conversations `prepare` regenerates and renders, with their drop report: the first
     `max_samples` (default `data.max_samples`) read, cut to `max_turns`, repeats dropped.
     Reading fewer gives a prefix of reading more, so regenerated.jsonl's indices hold."""
-    conversations, report = read_conversations(cfg.sources, cfg.format, max_samples or cfg.max_samples,
-                                               bad_encoding=cfg.bad_encoding)
+    conversations, report = read_conversations(
+        cfg.sources, cfg.format, max_samples or cfg.max_samples, bad_encoding=cfg.bad_encoding
+    )
     log.info("read: %s", report.summary())
     if cfg.max_turns is not None:
         conversations = [keep_first_turns(c, cfg.max_turns) for c in conversations]
@@ -202,22 +251,34 @@ def regeneration_kwargs(recipe, target, out_dir: Path, report: DropReport, progr
     cfg, rg = recipe.data, recipe.data.regenerate
     states_dir = layer_ids = None
     if rg.keep_states and (cfg.features != "offline" or target is None):
-        log.warning("data.regenerate.keep_states needs the hf backend and data.features=offline; "
-                    "the capture will run the target itself")
+        log.warning(
+            "data.regenerate.keep_states needs the hf backend and data.features=offline; "
+            "the capture will run the target itself"
+        )
     elif rg.keep_states:
         from eyas.data.fed_states import FED_STATES_DIR, fed_state_layer_ids
         from eyas.data.targets import default_aux_layer_ids
 
         states_dir = out_dir / FED_STATES_DIR
-        layer_ids = fed_state_layer_ids(cfg.aux_layer_ids or default_aux_layer_ids(target.num_layers),
-                                        target.num_layers)
-    return dict(model=target.model if target is not None else None, backend=rg.backend,
-                batch_size=rg.batch_size, max_new_tokens=rg.max_new_tokens, temperature=rg.temperature,
-                top_p=rg.top_p, seed=rg.seed, progress=progress,
-                max_prompt_tokens=max(1, cfg.max_length - rg.max_new_tokens), states_dir=states_dir,
-                state_layer_ids=layer_ids, target_name=recipe.target.name_or_path,
-                server=server_settings(rg, out_dir) if rg.backend == "server" else None,
-                token_checks=report.token_checks)
+        layer_ids = fed_state_layer_ids(
+            cfg.aux_layer_ids or default_aux_layer_ids(target.num_layers), target.num_layers
+        )
+    return dict(
+        model=target.model if target is not None else None,
+        backend=rg.backend,
+        batch_size=rg.batch_size,
+        max_new_tokens=rg.max_new_tokens,
+        temperature=rg.temperature,
+        top_p=rg.top_p,
+        seed=rg.seed,
+        progress=progress,
+        max_prompt_tokens=max(1, cfg.max_length - rg.max_new_tokens),
+        states_dir=states_dir,
+        state_layer_ids=layer_ids,
+        target_name=recipe.target.name_or_path,
+        server=server_settings(rg, out_dir) if rg.backend == "server" else None,
+        token_checks=report.token_checks,
+    )
 
 
 def server_settings(rg, out_dir: Path):
@@ -233,9 +294,18 @@ def server_settings(rg, out_dir: Path):
         def engine():
             return launched_engine(rg.launch, rg.server_urls, out_dir / "engine.log", rg.launch_timeout_s)
 
-    return ServerSettings(urls=list(rg.server_urls), model=rg.server_model, concurrency=rg.concurrency,
-                          max_new_tokens=rg.max_new_tokens, temperature=rg.temperature, top_p=rg.top_p,
-                          seed=rg.seed, timeout_s=rg.request_timeout_s, max_retries=rg.max_retries, engine=engine)
+    return ServerSettings(
+        urls=list(rg.server_urls),
+        model=rg.server_model,
+        concurrency=rg.concurrency,
+        max_new_tokens=rg.max_new_tokens,
+        temperature=rg.temperature,
+        top_p=rg.top_p,
+        seed=rg.seed,
+        timeout_s=rg.request_timeout_s,
+        max_retries=rg.max_retries,
+        engine=engine,
+    )
 
 
 def _config_vocab_size(recipe) -> int:
@@ -246,8 +316,9 @@ def _config_vocab_size(recipe) -> int:
     from eyas.data.targets import resolve_target_path, text_config
 
     try:
-        cfg = AutoConfig.from_pretrained(resolve_target_path(recipe.target.name_or_path),
-                                         trust_remote_code=recipe.target.trust_remote_code)
+        cfg = AutoConfig.from_pretrained(
+            resolve_target_path(recipe.target.name_or_path), trust_remote_code=recipe.target.trust_remote_code
+        )
         return int(text_config(cfg).vocab_size)
     except Exception:  # no config reachable (tokenizer-only tests): the tokenizer decides
         return 0
@@ -268,7 +339,7 @@ def prepared_digest(splits: dict[str, list[int]], ids: list[list[int]], masks: l
     return h.hexdigest()
 
 
-def read_prepared_digest(path: str | Path) -> Optional[str]:
+def read_prepared_digest(path: str | Path) -> str | None:
     """The digest in a prepared directory's meta.json (None: no meta.json, or written
     before digests were recorded)."""
     meta = Path(path) / "meta.json"

@@ -15,10 +15,11 @@ Anything else is plain content. Channels are never concatenated into `content`.
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 HARMONY_MARKERS = ("<|channel|>", "<|message|>")
-_HARMONY_SPECIAL = re.compile(r"<\|(start|end|message|channel|return|call|constrain|endoftext|startoftext)\|>")
+_HARMONY_SPECIAL = re.compile(
+    r"<\|(start|end|message|channel|return|call|constrain|endoftext|startoftext)\|>"
+)
 _THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
 
 
@@ -46,7 +47,9 @@ def parse_harmony(text: str) -> tuple[str, str]:
         channel = header.split("<|channel|>", 1)[1].split()[0] if "<|channel|>" in header else "final"
         channel = re.sub(r"<\|[a-z]+\|>.*", "", channel)
         (reasoning if channel == "analysis" else content).append(body)
-    return "\n".join(r.strip() for r in reasoning if r.strip()), "\n".join(c.strip() for c in content if c.strip())
+    return "\n".join(r.strip() for r in reasoning if r.strip()), "\n".join(
+        c.strip() for c in content if c.strip()
+    )
 
 
 def split_think(text: str) -> tuple[str, str]:
@@ -54,11 +57,12 @@ def split_think(text: str) -> tuple[str, str]:
     m = _THINK.match(text)
     if not m:
         return "", text.strip()
-    return m.group(1).strip(), text[m.end():].strip()
+    return m.group(1).strip(), text[m.end() :].strip()
 
 
-def assistant_message(content: str, reasoning: Optional[str] = None, raw: bool = True,
-                      finish_reason: Optional[str] = None) -> dict:
+def assistant_message(
+    content: str, reasoning: str | None = None, raw: bool = True, finish_reason: str | None = None
+) -> dict:
     """The stored assistant message. `raw`: `content` may still hold harmony channels or a
     think block (a server or decoder without a reasoning parser), which are split off;
     a `reasoning` the server already parsed is kept as it is. Plain content is kept as the

@@ -24,8 +24,8 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 
@@ -56,8 +56,11 @@ def done_records(path: Path) -> dict[int, dict]:
             for line in f:
                 try:
                     rec = json.loads(line)
-                    done[int(rec["index"])] = {"source": rec.get("source", ""), "messages": rec["messages"],
-                                               "token_checks": rec.get("token_checks") or {}}
+                    done[int(rec["index"])] = {
+                        "source": rec.get("source", ""),
+                        "messages": rec["messages"],
+                        "token_checks": rec.get("token_checks") or {},
+                    }
                 except (json.JSONDecodeError, KeyError, ValueError, TypeError):
                     continue  # the line a kill cut off
     return done
@@ -70,7 +73,7 @@ class RecordWriter:
         self.f, self.sources, self.done, self.sync_every_s = f, sources, done, sync_every_s
         self.last_sync = time.monotonic()
 
-    def write(self, i: int, messages: list[dict], token_checks: Optional[dict] = None) -> None:
+    def write(self, i: int, messages: list[dict], token_checks: dict | None = None) -> None:
         rec = {"index": i, "source": self.sources[i], "messages": messages}
         if token_checks:
             rec["token_checks"] = token_checks
@@ -82,7 +85,7 @@ class RecordWriter:
         os.fsync(self.f.fileno())
         self.last_sync = time.monotonic()
 
-    def write_soon(self, i: int, messages: list[dict], token_checks: Optional[dict] = None) -> None:
+    def write_soon(self, i: int, messages: list[dict], token_checks: dict | None = None) -> None:
         """Write, and sync when the last sync is `sync_every_s` old (one fsync per record
         would bound a fast server's throughput)."""
         self.write(i, messages, token_checks)
@@ -120,13 +123,13 @@ def regenerate(
     top_p: float = 1.0,
     seed: int = 0,
     progress: bool = True,
-    max_prompt_tokens: Optional[int] = None,
-    states_dir: Optional[str | Path] = None,
-    state_layer_ids: Optional[Sequence[int]] = None,
+    max_prompt_tokens: int | None = None,
+    states_dir: str | Path | None = None,
+    state_layer_ids: Sequence[int] | None = None,
     target_name: str = "",
     server=None,
-    token_checks: Optional[Counter] = None,
-    only: Optional[Sequence[int]] = None,
+    token_checks: Counter | None = None,
+    only: Sequence[int] | None = None,
 ) -> list[list[dict]]:
     """Regenerate every assistant turn; returns the new conversations (in input order).
 
@@ -160,8 +163,11 @@ def regenerate(
     done = {i: r for i, r in records.items() if i < len(conversations) and r["source"] == sources[i]}
     stale = sum(1 for i in records if i not in done)
     if stale:
-        log.warning("%s: %d records were generated from other conversations than these; generating them again",
-                    out_path, stale)
+        log.warning(
+            "%s: %d records were generated from other conversations than these; generating them again",
+            out_path,
+            stale,
+        )
     todo = [i for i in (range(len(conversations)) if only is None else sorted(set(only))) if i not in done]
     # Batches are formed by the token length of the first prompt to generate from, so left
     # padding wastes little: sorting by characters of the first two messages let the
@@ -177,8 +183,14 @@ def regenerate(
     work = {i: expected_tokens(conversations[i], len(first_prompt[i]), max_new_tokens) for i in todo}
     work.update((i, 0) for i in too_long)
     done_work = sum(expected_tokens(conversations[i], 0, max_new_tokens) for i in done)
-    bar = tqdm(total=done_work + sum(work.values()), initial=done_work, desc="regenerate", unit="tok",
-               unit_scale=True, disable=not progress)
+    bar = tqdm(
+        total=done_work + sum(work.values()),
+        initial=done_work,
+        desc="regenerate",
+        unit="tok",
+        unit_scale=True,
+        disable=not progress,
+    )
     with open(out_path, "a", encoding="utf-8") as f:
         writer = RecordWriter(f, sources, done)
         if too_long:  # ended before their first reply, as the loop below would end them
@@ -191,14 +203,29 @@ def regenerate(
             # the longest first: a long conversation started last would hold the run's tail
             todo.reverse()
             try:
-                regenerate_with_server(conversations, todo, tokenizer, server, writer.write_soon, max_prompt_tokens,
-                                       bar, work)
+                regenerate_with_server(
+                    conversations, todo, tokenizer, server, writer.write_soon, max_prompt_tokens, bar, work
+                )
             finally:
                 writer.sync()
         else:
-            _regenerate_hf(conversations, todo, first_prompt, tokenizer, model, writer, lambda b: bar.update(
-                           sum(work[i] for i in b)), batch_size, max_new_tokens, temperature, top_p,
-                           max_prompt_tokens, states_dir, state_layer_ids, target_name)
+            _regenerate_hf(
+                conversations,
+                todo,
+                first_prompt,
+                tokenizer,
+                model,
+                writer,
+                lambda b: bar.update(sum(work[i] for i in b)),
+                batch_size,
+                max_new_tokens,
+                temperature,
+                top_p,
+                max_prompt_tokens,
+                states_dir,
+                state_layer_ids,
+                target_name,
+            )
     bar.close()
     if token_checks is not None:
         for r in done.values():
@@ -206,12 +233,26 @@ def regenerate(
     return [done[i]["messages"] if i in done else conversations[i] for i in range(len(conversations))]
 
 
-def _regenerate_hf(conversations, todo, first_prompt, tokenizer, model, writer: RecordWriter, advance, batch_size,
-                   max_new_tokens, temperature, top_p, max_prompt_tokens, states_dir, state_layer_ids,
-                   target_name) -> None:
+def _regenerate_hf(
+    conversations,
+    todo,
+    first_prompt,
+    tokenizer,
+    model,
+    writer: RecordWriter,
+    advance,
+    batch_size,
+    max_new_tokens,
+    temperature,
+    top_p,
+    max_prompt_tokens,
+    states_dir,
+    state_layer_ids,
+    target_name,
+) -> None:
     """The hf backend: batches of conversations, turn t of every one decoded together."""
     for start in range(0, len(todo), batch_size):
-        batch = todo[start:start + batch_size]
+        batch = todo[start : start + batch_size]
         histories = {i: [] for i in batch}
         fed: dict[int, tuple[list[int], torch.Tensor]] = {}  # conversation -> its last kept reply's call
         alive = set(batch)
@@ -238,11 +279,21 @@ def _regenerate_hf(conversations, todo, first_prompt, tokenizer, model, writer: 
                 prompts = [p for p, ok in zip(prompts, fits) if ok]
                 if not need:
                     continue
-            decoded = decode_replies_hf(model, tokenizer, prompts, max_new_tokens, temperature, top_p,
-                                        state_layer_ids=state_layer_ids if states_dir is not None else None)
+            decoded = decode_replies_hf(
+                model,
+                tokenizer,
+                prompts,
+                max_new_tokens,
+                temperature,
+                top_p,
+                state_layer_ids=state_layer_ids if states_dir is not None else None,
+            )
             replies = [decoded_reply(tokenizer, d.token_ids, d.finished) for d in decoded]
-            fed.update((i, (d.fed_ids, d.states)) for i, d, r in zip(need, decoded, replies)
-                       if not is_empty_reply(r) and d.states is not None)
+            fed.update(
+                (i, (d.fed_ids, d.states))
+                for i, d, r in zip(need, decoded, replies)
+                if not is_empty_reply(r) and d.states is not None
+            )
             for i, reply in zip(need, replies):
                 if not is_empty_reply(reply):
                     histories[i].append(reply)
@@ -254,8 +305,12 @@ def _regenerate_hf(conversations, todo, first_prompt, tokenizer, model, writer: 
             while histories[i] and histories[i][-1]["role"] != "assistant":
                 histories[i].pop()
         if fed:  # before the records: a kill in between regenerates these, never records without states
-            write_fed_states(states_dir, {i: fed[i] for i in batch if i in fed and histories[i]},
-                             state_layer_ids, target_name)
+            write_fed_states(
+                states_dir,
+                {i: fed[i] for i in batch if i in fed and histories[i]},
+                state_layer_ids,
+                target_name,
+            )
         for i in batch:
             writer.write(i, histories[i])
         writer.sync()

@@ -20,12 +20,12 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from contextlib import nullcontext
-from typing import Callable, ContextManager, Optional, Sequence
 
 from eyas.data.reasoning import assistant_message, is_empty_reply
-from eyas.data.templates import TemplateError, special_strings, prompt_ids, render_with_mask
+from eyas.data.templates import TemplateError, prompt_ids, render_with_mask, special_strings
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class ServerError(RuntimeError):
 @dataclass
 class ServerSettings:
     urls: list[str]
-    model: Optional[str] = None
+    model: str | None = None
     concurrency: int = 256
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -49,16 +49,22 @@ class ServerSettings:
     max_retries: int = 5
     backoff_s: float = 0.5
     # starts the engine for the run (a context manager factory), or None: it is running
-    engine: Optional[Callable[[], ContextManager]] = None
+    engine: Callable[[], AbstractContextManager] | None = None
 
 
 def _strip_end(ids: list[int], ends: set[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in ends else ids
 
 
-def compare_reply_tokens(tokenizer, history: list[dict], reply: dict, server_prompt: Optional[list[int]],
-                         server_reply: Optional[list[int]], ends: set[int],
-                         own_prompt: Optional[list[int]] = None) -> list[str]:
+def compare_reply_tokens(
+    tokenizer,
+    history: list[dict],
+    reply: dict,
+    server_prompt: list[int] | None,
+    server_reply: list[int] | None,
+    ends: set[int],
+    own_prompt: list[int] | None = None,
+) -> list[str]:
     """Mismatch reasons for one turn: `prompt_tokens_differ` (the server's chat template or
     tokenizer built another prompt than eyas's), `reply_tokens_differ` (the stored reply,
     re-rendered, tokenizes to other ids than the target generated), `reply_not_renderable`."""
@@ -86,8 +92,10 @@ class ChatClient:
 
         self.s = settings
         self.in_flight = {u.rstrip("/"): 0 for u in settings.urls}
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(settings.timeout_s, connect=30.0),
-                                      limits=httpx.Limits(max_connections=settings.concurrency + 8))
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.timeout_s, connect=30.0),
+            limits=httpx.Limits(max_connections=settings.concurrency + 8),
+        )
         self.model = settings.model
         self.token_ids = True  # ask for them until a server refuses the field
 
@@ -105,7 +113,7 @@ class ChatClient:
             log.info("server model: %s", self.model)
         return self.model
 
-    async def _request(self, method: str, url: str, path: str, body: Optional[dict] = None) -> dict:
+    async def _request(self, method: str, url: str, path: str, body: dict | None = None) -> dict:
         import httpx
 
         for attempt in range(self.s.max_retries + 1):
@@ -120,7 +128,7 @@ class ChatClient:
                 why = f"{type(err).__name__}: {err}"
             if attempt == self.s.max_retries:
                 raise ServerError(f"{url}{path} failed {attempt + 1} times; last: {why}")
-            delay = min(30.0, self.s.backoff_s * 2 ** attempt) * (0.5 + random.random())
+            delay = min(30.0, self.s.backoff_s * 2**attempt) * (0.5 + random.random())
             log.warning("%s%s: %s; retrying in %.1f s", url, path, why, delay)
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
@@ -128,10 +136,16 @@ class ChatClient:
     async def chat(self, messages: list[dict]) -> dict:
         """One reply: the choice's message and, where given, `token_ids` / `prompt_token_ids`."""
         url = min(self.in_flight, key=self.in_flight.get)
-        body = {"model": await self.resolve_model(), "messages": messages, "max_tokens": self.s.max_new_tokens,
-                "temperature": self.s.temperature, "top_p": self.s.top_p, "seed": self.s.seed,
-                # raw harmony keeps its channel tokens when no reasoning parser splits them
-                "skip_special_tokens": False}
+        body = {
+            "model": await self.resolve_model(),
+            "messages": messages,
+            "max_tokens": self.s.max_new_tokens,
+            "temperature": self.s.temperature,
+            "top_p": self.s.top_p,
+            "seed": self.s.seed,
+            # raw harmony keeps its channel tokens when no reasoning parser splits them
+            "skip_special_tokens": False,
+        }
         if self.token_ids:
             body["return_token_ids"] = True
         self.in_flight[url] += 1
@@ -141,8 +155,11 @@ class ChatClient:
             except ServerError as err:
                 if "return_token_ids" not in body or "return_token_ids" not in str(err):
                     raise
-                log.warning("%s does not return token ids; regenerated turns are not compared with the target's "
-                            "tokens", url)
+                log.warning(
+                    "%s does not return token ids; regenerated turns are not compared with the target's "
+                    "tokens",
+                    url,
+                )
                 self.token_ids = False
                 body.pop("return_token_ids")
                 data = await self._request("POST", url, "/v1/chat/completions", body)
@@ -152,15 +169,29 @@ class ChatClient:
             choice = data["choices"][0]
             message = choice["message"]
         except (KeyError, IndexError, TypeError):
-            raise ServerError(f"{url}/v1/chat/completions: no choices[0].message in {str(data)[:300]}") from None
-        return {"message": message, "token_ids": choice.get("token_ids"), "finish_reason": choice.get("finish_reason"),
-                "prompt_token_ids": data.get("prompt_token_ids"),
-                "completion_tokens": (data.get("usage") or {}).get("completion_tokens", 0)}
+            raise ServerError(
+                f"{url}/v1/chat/completions: no choices[0].message in {str(data)[:300]}"
+            ) from None
+        return {
+            "message": message,
+            "token_ids": choice.get("token_ids"),
+            "finish_reason": choice.get("finish_reason"),
+            "prompt_token_ids": data.get("prompt_token_ids"),
+            "completion_tokens": (data.get("usage") or {}).get("completion_tokens", 0),
+        }
 
 
-async def _regenerate_all(conversations: Sequence[list[dict]], todo: Sequence[int], tokenizer,
-                          settings: ServerSettings, write: Callable[[int, list[dict], dict], None],
-                          max_prompt_tokens: Optional[int], ends: set[int], bar, work: dict[int, int]) -> None:
+async def _regenerate_all(
+    conversations: Sequence[list[dict]],
+    todo: Sequence[int],
+    tokenizer,
+    settings: ServerSettings,
+    write: Callable[[int, list[dict], dict], None],
+    max_prompt_tokens: int | None,
+    ends: set[int],
+    bar,
+    work: dict[int, int],
+) -> None:
     client = ChatClient(settings)
     sem = asyncio.Semaphore(settings.concurrency)
     start, tokens, replies = time.monotonic(), 0, 0
@@ -174,31 +205,40 @@ async def _regenerate_all(conversations: Sequence[list[dict]], todo: Sequence[in
                 if m["role"] != "assistant":
                     history.append({"role": m["role"], "content": m["content"]})
                     continue
-                own_prompt = prompt_ids(tokenizer, history)  # rendered once: the length cap and the token check
+                own_prompt = prompt_ids(
+                    tokenizer, history
+                )  # rendered once: the length cap and the token check
                 if max_prompt_tokens is not None and len(own_prompt) > max_prompt_tokens:
                     break
                 out = await client.chat(history)
                 msg = out["message"]
-                reply = assistant_message(msg.get("content") or "",
-                                          msg.get("reasoning_content") or msg.get("reasoning"),
-                                          finish_reason=out["finish_reason"])
+                reply = assistant_message(
+                    msg.get("content") or "",
+                    msg.get("reasoning_content") or msg.get("reasoning"),
+                    finish_reason=out["finish_reason"],
+                )
                 tokens += int(out["completion_tokens"] or 0)
                 replies += 1
                 if is_empty_reply(reply):  # stopped at once, or cut inside its reasoning
                     break
                 if out["token_ids"] is not None or out["prompt_token_ids"] is not None:
                     checks["turns_compared"] = checks.get("turns_compared", 0) + 1
-                    for reason in compare_reply_tokens(tokenizer, history, reply, out["prompt_token_ids"],
-                                                       out["token_ids"], ends, own_prompt):
+                    for reason in compare_reply_tokens(
+                        tokenizer, history, reply, out["prompt_token_ids"], out["token_ids"], ends, own_prompt
+                    ):
                         checks[reason] = checks.get(reason, 0) + 1
                 history.append(reply)
-                if "finish_reason" in reply:  # cut at max_new_tokens: a next turn would answer unfinished text
+                if (
+                    "finish_reason" in reply
+                ):  # cut at max_new_tokens: a next turn would answer unfinished text
                     break
         while history and history[-1]["role"] != "assistant":
             history.pop()
         write(i, history, checks)
         elapsed = max(time.monotonic() - start, 1e-6)
-        bar.set_postfix(replies_per_s=f"{replies / elapsed:.1f}", tok_per_s=f"{tokens / elapsed:.0f}", refresh=False)
+        bar.set_postfix(
+            replies_per_s=f"{replies / elapsed:.1f}", tok_per_s=f"{tokens / elapsed:.0f}", refresh=False
+        )
         bar.update(work.get(i, 1))
 
     try:
@@ -213,9 +253,16 @@ async def _regenerate_all(conversations: Sequence[list[dict]], todo: Sequence[in
         await client.close()
 
 
-def regenerate_with_server(conversations: Sequence[list[dict]], todo: Sequence[int], tokenizer,
-                           settings: ServerSettings, write: Callable[[int, list[dict], dict], None],
-                           max_prompt_tokens: Optional[int], bar, work: Optional[dict[int, int]] = None) -> None:
+def regenerate_with_server(
+    conversations: Sequence[list[dict]],
+    todo: Sequence[int],
+    tokenizer,
+    settings: ServerSettings,
+    write: Callable[[int, list[dict], dict], None],
+    max_prompt_tokens: int | None,
+    bar,
+    work: dict[int, int] | None = None,
+) -> None:
     """Regenerate the conversations at `todo` through the server; `write(i, messages,
     token_checks)` is called as each one finishes (`token_checks`: turns compared with the
     server's token ids and the mismatches by reason, see `compare_reply_tokens`). `bar`
@@ -224,5 +271,8 @@ def regenerate_with_server(conversations: Sequence[list[dict]], todo: Sequence[i
         return
     ends = {int(i) for i in tokenizer.convert_tokens_to_ids(special_strings(tokenizer)) if i is not None}
     with settings.engine() if settings.engine else nullcontext():
-        asyncio.run(_regenerate_all(conversations, todo, tokenizer, settings, write, max_prompt_tokens, ends, bar,
-                                    work or {}))
+        asyncio.run(
+            _regenerate_all(
+                conversations, todo, tokenizer, settings, write, max_prompt_tokens, ends, bar, work or {}
+            )
+        )

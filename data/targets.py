@@ -135,8 +135,10 @@ def _check_target_exists(name_or_path: str, path: str) -> None:
     from eyas.hub_ids import looks_like_hub_id
 
     if not Path(path).exists() and not looks_like_hub_id(name_or_path):
-        raise TargetLoadError(f"target {name_or_path!r}: no such directory (a Hub model is named org/name; the "
-                              f"shipped one is {SMOLLM2_ALIAS!r})")
+        raise TargetLoadError(
+            f"target {name_or_path!r}: no such directory (a Hub model is named org/name; the "
+            f"shipped one is {SMOLLM2_ALIAS!r})"
+        )
 
 
 def _unloadable(name_or_path: str, what: str, err: Exception) -> str:
@@ -144,9 +146,12 @@ def _unloadable(name_or_path: str, what: str, err: Exception) -> str:
     lines = [x.strip() for x in str(err).splitlines() if x.strip()]
     first = lines[0] if lines else type(err).__name__
     if not Path(name_or_path).exists() and ("connect" in str(err) or "offline" in str(err).lower()):
-        return (f"target {name_or_path!r}: its {what} is not in the local Hugging Face cache and the Hub cannot be "
-                f"reached ({first}). Download it where the Hub is reachable (`hf download "
-                f"{name_or_path}`) or set target.name_or_path to a local directory")
+        return (
+            f"target {name_or_path!r}: its {what} is not in the local Hugging Face cache and the Hub "
+            f"cannot be "
+            f"reached ({first}). Download it where the Hub is reachable (`hf download "
+            f"{name_or_path}`) or set target.name_or_path to a local directory"
+        )
     return f"target {name_or_path!r}: cannot load its {what}: {first}"
 
 
@@ -312,6 +317,7 @@ def compute_features(
             # Decoder layers and the norm receive the hidden states first (positional in
             # HF today; by name in some versions).
             grabbed[key] = args[0] if args else kwargs["hidden_states"]
+
         return hook
 
     handles = [layers[i].register_forward_pre_hook(grab(i), with_kwargs=True) for i in set(ids)]
@@ -347,6 +353,7 @@ def capture_aux(model, aux_layer_ids):
             states[key] = args[0] if args else kwargs["hidden_states"]
             if key == last_hooked:  # the last hooked module of the forward has run
                 grabbed["aux"] = torch.cat([states[i] for i in ids], dim=-1)
+
         return hook
 
     last_hooked = max(ids)  # modules run in id order, whatever order `ids` lists them in

@@ -17,7 +17,7 @@ tokens with the fast tokenizer's offsets: a token is trained when it starts insi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 Conversation = list[dict]
 
@@ -42,7 +42,9 @@ class Rendered:
 
 def _render(tokenizer, messages: Conversation, add_generation_prompt: bool) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
     except Exception as err:  # jinja raises anything (TemplateError, TypeError, raise_exception)
         raise TemplateError("template_error", str(err)[:200]) from None
 
@@ -61,8 +63,9 @@ def _template_messages(messages: Conversation) -> Conversation:
     return out
 
 
-def assistant_char_spans(tokenizer, messages: Conversation, train_on: Literal["all", "last"] = "all"
-                         ) -> tuple[str, list[tuple[int, int]]]:
+def assistant_char_spans(
+    tokenizer, messages: Conversation, train_on: Literal["all", "last"] = "all"
+) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering and the [start, end) character spans of the trained assistant turns."""
     messages = _template_messages(messages)
     full = _render(tokenizer, messages, add_generation_prompt=False)
@@ -112,8 +115,13 @@ def _end_by_special(tokenizer, full: str, start: int, message: dict) -> int:
     return i + len(sp)
 
 
-def render_with_mask(tokenizer, messages: Conversation, train_on: Literal["all", "last"] = "all",
-                     max_length: Optional[int] = None, truncate: bool = False) -> Rendered:
+def render_with_mask(
+    tokenizer,
+    messages: Conversation,
+    train_on: Literal["all", "last"] = "all",
+    max_length: int | None = None,
+    truncate: bool = False,
+) -> Rendered:
     """Tokenise the conversation as the chat template renders it, with the loss mask.
 
     A last assistant message with `finish_reason: "length"` (a regenerated reply cut at

@@ -9,7 +9,7 @@ import shlex
 import statistics
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from eyas.eval.bench_serve import BenchSettings
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 PLOT_NAME = "bench_serve.png"
 
 
-def point_key(drafter: str, k: Optional[int], temperature: float, concurrency: int) -> str:
+def point_key(drafter: str, k: int | None, temperature: float, concurrency: int) -> str:
     return f"{drafter}|{k}|{temperature:g}|{concurrency}"
 
 
@@ -42,29 +42,47 @@ def build_report(s: BenchSettings, points: list[dict]) -> dict:
                     plain = by_key.get(point_key("plain", None, t, c))
                     p = by_key.get(point_key(d.name, k, t, c))
                     if plain and p and plain["output_tok_s"] > 0:
-                        table.setdefault(d.name, {}).setdefault(str(k), {})[str(c)] = p["output_tok_s"] / plain["output_tok_s"]
+                        table.setdefault(d.name, {}).setdefault(str(k), {})[str(c)] = (
+                            p["output_tok_s"] / plain["output_tok_s"]
+                        )
                     if t == 0 and plain and p:
                         same = sum(a == b for a, b in zip(p["output_sha1"], plain["output_sha1"]))
-                        entry = lossless.setdefault(d.name, {}).setdefault(str(k), {"identical": 0, "compared": 0})
+                        entry = lossless.setdefault(d.name, {}).setdefault(
+                            str(k), {"identical": 0, "compared": 0}
+                        )
                         entry["identical"] += same
                         entry["compared"] += len(plain["output_sha1"])
         speedup_by_t[f"{t:g}"] = table
     greedy = f"{0.0:g}" if 0.0 in s.temperatures else f"{s.temperatures[0]:g}"
     at_greedy = [p for p in points if f"{p['temperature']:g}" == greedy and p["tar"] is not None]
-    tars = {d.name: statistics.fmean(p["tar"] for p in at_greedy if p["drafter"] == d.name)
-            for d in spec_drafters if any(p["drafter"] == d.name for p in at_greedy)}
-    commands = {d.name: {str(k): vllm_serve_command(s.target, d.speculative_config(k)) for k in s.ks}
-                for d in spec_drafters}
+    tars = {
+        d.name: statistics.fmean(p["tar"] for p in at_greedy if p["drafter"] == d.name)
+        for d in spec_drafters
+        if any(p["drafter"] == d.name for p in at_greedy)
+    }
+    commands = {
+        d.name: {str(k): vllm_serve_command(s.target, d.speculative_config(k)) for k in s.ks}
+        for d in spec_drafters
+    }
     return {
-        "kind": "eyas bench-serve", "version": 1,
+        "kind": "eyas bench-serve",
+        "version": 1,
         "target": {"path": s.target, "config": target_summary(s.target), "dtype": s.dtype},
         "engine": {"python": s.vllm_python, "max_model_len": s.max_model_len, "engine_args": s.engine_args},
-        "workload": {"source": s.workload, "prompts": len(s.prompts), "max_tokens": s.max_tokens,
-                     "mean_prompt_tokens": statistics.fmean(len(p) for p in s.prompts) if s.prompts else 0},
+        "workload": {
+            "source": s.workload,
+            "prompts": len(s.prompts),
+            "max_tokens": s.max_tokens,
+            "mean_prompt_tokens": statistics.fmean(len(p) for p in s.prompts) if s.prompts else 0,
+        },
         "drafters": {d.name: asdict(d) for d in s.drafters},
-        "ks": s.ks, "concurrency": s.concurrency, "temperatures": s.temperatures,
-        "points": sorted((dict((k, v) for k, v in p.items() if k != "fingerprint") for p in points),
-                         key=lambda p: (p["drafter"], p["k"] or 0, p["temperature"], p["concurrency"])),
+        "ks": s.ks,
+        "concurrency": s.concurrency,
+        "temperatures": s.temperatures,
+        "points": sorted(
+            (dict((k, v) for k, v in p.items() if k != "fingerprint") for p in points),
+            key=lambda p: (p["drafter"], p["k"] or 0, p["temperature"], p["concurrency"]),
+        ),
         "speedup": speedup_by_t.get(greedy, {}),
         "speedup_temperature": float(greedy),
         "speedup_by_temperature": speedup_by_t,
@@ -73,7 +91,7 @@ def build_report(s: BenchSettings, points: list[dict]) -> dict:
     }
 
 
-def vllm_serve_command(target: str, spec: Optional[dict]) -> str:
+def vllm_serve_command(target: str, spec: dict | None) -> str:
     line = f"vllm serve {shlex.quote(target)}"
     return line + (f" --speculative-config {shlex.quote(json.dumps(spec))}" if spec else "")
 
@@ -86,22 +104,36 @@ def format_report(report: dict) -> str:
     conc = [str(c) for c in report["concurrency"]]
     lines = []
     for t in report["temperatures"]:
-        pts = {(p["drafter"], p["k"], str(p["concurrency"])): p for p in report["points"] if p["temperature"] == t}
+        pts = {
+            (p["drafter"], p["k"], str(p["concurrency"])): p
+            for p in report["points"]
+            if p["temperature"] == t
+        }
         rows = [["drafter", "K", *[f"c={c}" for c in conc], "tok/fwd", "TAR", "lossless"]]
         plain = [pts.get(("plain", None, c)) for c in conc]
-        rows.append(["plain", "-", *[f"{p['output_tok_s']:.1f} t/s" if p else "-" for p in plain], "1.00", "-", "-"])
+        rows.append(
+            ["plain", "-", *[f"{p['output_tok_s']:.1f} t/s" if p else "-" for p in plain], "1.00", "-", "-"]
+        )
         table = report["speedup_by_temperature"].get(f"{t:g}", {})
         for name, by_k in table.items():
             for k, by_c in by_k.items():
                 first = pts.get((name, int(k), conc[0]))
                 ll = report["lossless"].get(name, {}).get(k) if t == 0 else None
-                rows.append([name, k, *[f"{by_c[c]:.2f}x" if c in by_c else "-" for c in conc],
-                             f"{first['tokens_per_forward']:.2f}" if first else "-",
-                             f"{first['tar']:.0%}" if first and first["tar"] is not None else "-",
-                             f"{ll['identical']}/{ll['compared']}" if ll else "-"])
+                rows.append(
+                    [
+                        name,
+                        k,
+                        *[f"{by_c[c]:.2f}x" if c in by_c else "-" for c in conc],
+                        f"{first['tokens_per_forward']:.2f}" if first else "-",
+                        f"{first['tar']:.0%}" if first and first["tar"] is not None else "-",
+                        f"{ll['identical']}/{ll['compared']}" if ll else "-",
+                    ]
+                )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines.append(f"temperature {t:g} (speedup = output tokens/s over plain at the same concurrency; "
-                     f"tok/fwd and TAR at c={conc[0]})")
+        lines.append(
+            f"temperature {t:g} (speedup = output tokens/s over plain at the same concurrency; "
+            f"tok/fwd and TAR at c={conc[0]})"
+        )
         lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
         lines.append("")
     from eyas.eval.advice import format_advice
@@ -125,16 +157,24 @@ def plot_speedup(report: dict, path: Path) -> None:
         for i, (name, by_k) in enumerate(table.items()):
             for j, (k, by_c) in enumerate(by_k.items()):
                 cs = sorted(by_c, key=int)
-                ax.plot([int(c) for c in cs], [by_c[c] for c in cs], marker="o", color=f"C{i}",
-                        ls=styles[j % len(styles)], label=f"{name} K={k}")
+                ax.plot(
+                    [int(c) for c in cs],
+                    [by_c[c] for c in cs],
+                    marker="o",
+                    color=f"C{i}",
+                    ls=styles[j % len(styles)],
+                    label=f"{name} K={k}",
+                )
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
         ax.set_ylabel("output tokens/s over plain")
         ax.set_title(f"temperature {t}")
         ax.legend(fontsize=7, bbox_to_anchor=(1.02, 1), loc="upper left")
-    fig.suptitle(f"vLLM, {Path(report['target']['path']).name}, {report['workload']['source']} "
-                 f"({report['workload']['prompts']} prompts, {report['workload']['max_tokens']} tokens)")
+    fig.suptitle(
+        f"vLLM, {Path(report['target']['path']).name}, {report['workload']['source']} "
+        f"({report['workload']['prompts']} prompts, {report['workload']['max_tokens']} tokens)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

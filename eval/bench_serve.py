@@ -25,7 +25,6 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from eyas.eval.bench_report import PLOT_NAME, build_report, format_report, plot_speedup, point_key  # noqa: F401
 
@@ -52,20 +51,24 @@ class Drafter:
 
     name: str
     kind: str  # plain | ngram | head
-    path: Optional[str] = None
-    algorithm: Optional[str] = None  # eagle3 | peagle, for heads
-    num_layers: Optional[int] = None
-    draft_vocab: Optional[int] = None
+    path: str | None = None
+    algorithm: str | None = None  # eagle3 | peagle, for heads
+    num_layers: int | None = None
+    draft_vocab: int | None = None
     ngram_min: int = 5
     ngram_max: int = 5
 
-    def speculative_config(self, k: int) -> Optional[dict]:
+    def speculative_config(self, k: int) -> dict | None:
         """vLLM's `--speculative-config` for K draft tokens (DESIGN §5)."""
         if self.kind == "plain":
             return None
         if self.kind == "ngram":
-            return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": self.ngram_min,
-                    "prompt_lookup_max": self.ngram_max}
+            return {
+                "method": "ngram",
+                "num_speculative_tokens": k,
+                "prompt_lookup_min": self.ngram_min,
+                "prompt_lookup_max": self.ngram_max,
+            }
         cfg = {"method": "eagle3", "model": self.path, "num_speculative_tokens": k}
         if self.algorithm == "peagle":
             cfg["parallel_drafting"] = True
@@ -80,7 +83,9 @@ def head_drafter(name: str, path: str) -> Drafter:
     if head.problems:
         raise BenchError(f"head {name} ({path}): " + "; ".join(head.problems))
     f = head.fields
-    return Drafter(name, "head", str(Path(path).resolve()), f.get("algo") or "eagle3", f.get("layers"), f.get("vd"))
+    return Drafter(
+        name, "head", str(Path(path).resolve()), f.get("algo") or "eagle3", f.get("layers"), f.get("vd")
+    )
 
 
 @dataclass
@@ -104,20 +109,44 @@ class BenchSettings:
 
     def fingerprint(self) -> str:
         """What makes two measurements comparable; points of another setting are not reused."""
-        key = {"target": self.target, "prompts": self.prompts, "max_tokens": self.max_tokens, "dtype": self.dtype,
-               "max_model_len": self.max_model_len, "engine_args": self.engine_args, "seed": self.seed,
-               "python": self.vllm_python}
+        key = {
+            "target": self.target,
+            "prompts": self.prompts,
+            "max_tokens": self.max_tokens,
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "engine_args": self.engine_args,
+            "seed": self.seed,
+            "python": self.vllm_python,
+        }
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # --- the engine -------------------------------------------------------------------------
 
 
-def engine_command(s: BenchSettings, spec: Optional[dict]) -> str:
+def engine_command(s: BenchSettings, spec: dict | None) -> str:
     """The command line that serves the target, with `spec` as its speculative config."""
-    argv = [s.vllm_python, str(ENTRY), "serve", s.target, "--host", "127.0.0.1", "--port", str(s.port),
-            "--dtype", s.dtype, "--max-model-len", str(s.max_model_len), "--seed", str(s.seed),
-            "--served-model-name", "target", "--max-num-seqs", str(max(max(s.concurrency), 8))]
+    argv = [
+        s.vllm_python,
+        str(ENTRY),
+        "serve",
+        s.target,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(s.port),
+        "--dtype",
+        s.dtype,
+        "--max-model-len",
+        str(s.max_model_len),
+        "--seed",
+        str(s.seed),
+        "--served-model-name",
+        "target",
+        "--max-num-seqs",
+        str(max(max(s.concurrency), 8)),
+    ]
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
     # vLLM's CPU build takes 92% of a NUMA node for its KV cache unless told; GPU builds ignore it
@@ -145,9 +174,14 @@ def read_counters(base_url: str) -> dict:
 
 def counter_delta(before: dict, after: dict) -> dict:
     positions = sorted(set(before["per_position"]) | set(after["per_position"]))
-    return {"drafts": after["drafts"] - before["drafts"], "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
-            "accepted": after["accepted"] - before["accepted"],
-            "per_position": [after["per_position"].get(p, 0.0) - before["per_position"].get(p, 0.0) for p in positions]}
+    return {
+        "drafts": after["drafts"] - before["drafts"],
+        "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+        "accepted": after["accepted"] - before["accepted"],
+        "per_position": [
+            after["per_position"].get(p, 0.0) - before["per_position"].get(p, 0.0) for p in positions
+        ],
+    }
 
 
 # --- the client -------------------------------------------------------------------------
@@ -162,9 +196,18 @@ class RequestResult:
     text: str
 
 
-async def _one_request(http, url: str, prompt: list[int], s: BenchSettings, temperature: float, seed: int) -> RequestResult:
-    body = {"model": "target", "prompt": prompt, "max_tokens": s.max_tokens, "temperature": temperature,
-            "seed": seed, "stream": True, "stream_options": {"include_usage": True}}
+async def _one_request(
+    http, url: str, prompt: list[int], s: BenchSettings, temperature: float, seed: int
+) -> RequestResult:
+    body = {
+        "model": "target",
+        "prompt": prompt,
+        "max_tokens": s.max_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     first, pieces, usage = None, [], None
     async with http.stream("POST", url + "/v1/completions", json=body) as resp:
@@ -187,18 +230,27 @@ async def _one_request(http, url: str, prompt: list[int], s: BenchSettings, temp
     end = time.perf_counter()
     if usage is None:
         raise BenchError(f"{url}/v1/completions streamed no usage (stream_options.include_usage)")
-    return RequestResult(int(usage.get("prompt_tokens", len(prompt))), int(usage["completion_tokens"]),
-                         (first or end) - start, end - start, "".join(pieces))
+    return RequestResult(
+        int(usage.get("prompt_tokens", len(prompt))),
+        int(usage["completion_tokens"]),
+        (first or end) - start,
+        end - start,
+        "".join(pieces),
+    )
 
 
-async def run_level(url: str, prompts: list[list[int]], concurrency: int, s: BenchSettings,
-                    temperature: float, progress=None) -> tuple[list[RequestResult], float]:
+async def run_level(
+    url: str, prompts: list[list[int]], concurrency: int, s: BenchSettings, temperature: float, progress=None
+) -> tuple[list[RequestResult], float]:
     """Every prompt once, `concurrency` in flight; (results in prompt order, wall seconds)."""
     import httpx
 
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(s.request_timeout_s, connect=30.0), limits=limits) as http:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(s.request_timeout_s, connect=30.0), limits=limits
+    ) as http:
+
         async def go(i: int, prompt: list[int]) -> RequestResult:
             async with gate:
                 r = await _one_request(http, url, prompt, s, temperature, s.seed + i)
@@ -232,16 +284,22 @@ def summarize_level(results: list[RequestResult], wall: float, counters: dict) -
         rates.append(hits / reached)
         reached = hits
     return {
-        "requests": len(results), "output_tokens": out_tokens, "wall_s": wall,
+        "requests": len(results),
+        "output_tokens": out_tokens,
+        "wall_s": wall,
         "output_tok_s": out_tokens / wall if wall > 0 else 0.0,
-        "per_request_tok_s": statistics.fmean(r.output_tokens / r.latency_s for r in results if r.latency_s > 0),
+        "per_request_tok_s": statistics.fmean(
+            r.output_tokens / r.latency_s for r in results if r.latency_s > 0
+        ),
         "tpot_ms": 1e3 * statistics.fmean(tpot) if tpot else None,
         "ttft_ms": 1e3 * statistics.fmean(r.ttft_s for r in results),
         "ttft_p50_ms": 1e3 * statistics.median(r.ttft_s for r in results),
         # Little's law: the sequences in the engine's batch on average
         "mean_in_flight": sum(r.latency_s for r in results) / wall if wall > 0 else 0.0,
         "mean_context": statistics.fmean(r.prompt_tokens + r.output_tokens / 2 for r in results),
-        "drafts": drafts, "draft_tokens": proposed, "accepted": accepted,
+        "drafts": drafts,
+        "draft_tokens": proposed,
+        "accepted": accepted,
         "tokens_per_forward": tokens_per_forward(out_tokens, len(results), accepted),
         "tar": accepted / proposed if proposed else None,
         "per_position_acceptance": rates,
@@ -262,14 +320,16 @@ def load_points(path: Path, fingerprint: str) -> dict[str, dict]:
         try:
             p = json.loads(line)
         except json.JSONDecodeError:
-            log.warning("%s:%d is not a JSON line (a killed run?): that level is measured again", path, lineno)
+            log.warning(
+                "%s:%d is not a JSON line (a killed run?): that level is measured again", path, lineno
+            )
             continue
         if p.get("fingerprint") == fingerprint:
             done[point_key(p["drafter"], p["k"], p["temperature"], p["concurrency"])] = p
     return done
 
 
-def engine_plan(s: BenchSettings) -> list[tuple[Drafter, Optional[int]]]:
+def engine_plan(s: BenchSettings) -> list[tuple[Drafter, int | None]]:
     """(drafter, K) per engine, plain first: its outputs are what the others must equal."""
     plain = [d for d in s.drafters if d.kind == "plain"] or [Drafter("plain", "plain")]
     return [(plain[0], None)] + [(d, k) for d in s.drafters if d.kind != "plain" for k in s.ks]
@@ -303,9 +363,15 @@ def run_bench(s: BenchSettings, out_dir: Path, progress: bool = True) -> dict:
             for temperature, conc in todo:
                 before = read_counters(url)
                 results, wall = asyncio.run(run_level(url, s.prompts, conc, s, temperature, bar))
-                point = {"fingerprint": fp, "drafter": drafter.name, "kind": drafter.kind, "k": k,
-                         "temperature": temperature, "concurrency": conc,
-                         **summarize_level(results, wall, counter_delta(before, read_counters(url)))}
+                point = {
+                    "fingerprint": fp,
+                    "drafter": drafter.name,
+                    "kind": drafter.kind,
+                    "k": k,
+                    "temperature": temperature,
+                    "concurrency": conc,
+                    **summarize_level(results, wall, counter_delta(before, read_counters(url))),
+                }
                 with open(points_path, "a") as f:
                     f.write(json.dumps(point) + "\n")
                 done[point_key(drafter.name, k, temperature, conc)] = point

@@ -14,9 +14,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional
 
-from eyas.eval.planner import HeadSize, Hardware, TargetSize, draft_time, head_size, target_size_from_config, target_time
+from eyas.eval.planner import (
+    Hardware,
+    HeadSize,
+    TargetSize,
+    draft_time,
+    head_size,
+    target_size_from_config,
+    target_time,
+)
 
 PARAMS = ("pass_overhead", "layer_latency", "hbm_bandwidth", "peak_flops")
 
@@ -32,12 +39,17 @@ class Calibration:
     fit_points: list[dict] = field(default_factory=list)
     heldout_points: list[dict] = field(default_factory=list)
     max_fit_error: float = 0.0
-    max_heldout_error: Optional[float] = None  # |predicted / measured speedup - 1| over held-out points
+    max_heldout_error: float | None = None  # |predicted / measured speedup - 1| over held-out points
 
     def as_dict(self) -> dict:
-        return {"hardware": asdict(self.hardware), "target": asdict(self.target), "fit_points": self.fit_points,
-                "heldout_points": self.heldout_points, "max_fit_error": self.max_fit_error,
-                "max_heldout_error": self.max_heldout_error}
+        return {
+            "hardware": asdict(self.hardware),
+            "target": asdict(self.target),
+            "fit_points": self.fit_points,
+            "heldout_points": self.heldout_points,
+            "max_fit_error": self.max_fit_error,
+            "max_heldout_error": self.max_heldout_error,
+        }
 
 
 def _heads(report: dict, target: TargetSize) -> dict[str, HeadSize]:
@@ -46,11 +58,16 @@ def _heads(report: dict, target: TargetSize) -> dict[str, HeadSize]:
         if d["kind"] == "ngram":
             out[name] = HeadSize("ngram", 0, 0.0, 0.0)
         elif d["kind"] == "head":
-            out[name] = head_size(target, d.get("algorithm") or "eagle3", d.get("num_layers"), d.get("draft_vocab") or target.vocab_size)
+            out[name] = head_size(
+                target,
+                d.get("algorithm") or "eagle3",
+                d.get("num_layers"),
+                d.get("draft_vocab") or target.vocab_size,
+            )
     return out
 
 
-def predicted_tok_s(hw: Hardware, target: TargetSize, head: Optional[HeadSize], point: dict) -> float:
+def predicted_tok_s(hw: Hardware, target: TargetSize, head: HeadSize | None, point: dict) -> float:
     """Output tokens/s the planner's cost model gives for one measured level."""
     b, ctx = max(point["mean_in_flight"], 1e-3), int(point["mean_context"])
     if head is None:
@@ -62,8 +79,15 @@ def predicted_tok_s(hw: Hardware, target: TargetSize, head: Optional[HeadSize], 
 
 def _hardware(x, name: str) -> Hardware:
     values = dict(zip(PARAMS, (math.exp(v) for v in x)))
-    return Hardware(name, values["hbm_bandwidth"], values["peak_flops"], values["layer_latency"],
-                    values["pass_overhead"], bw_efficiency=1.0, flops_efficiency=1.0)
+    return Hardware(
+        name,
+        values["hbm_bandwidth"],
+        values["peak_flops"],
+        values["layer_latency"],
+        values["pass_overhead"],
+        bw_efficiency=1.0,
+        flops_efficiency=1.0,
+    )
 
 
 def calibrate(report: dict, holdout_concurrency=(), holdout_k=(), name: str = "measured") -> Calibration:
@@ -72,11 +96,15 @@ def calibrate(report: dict, holdout_concurrency=(), holdout_k=(), name: str = "m
 
     cfg = report.get("target", {}).get("config") or {}
     if "hidden_size" not in cfg:
-        raise CalibrationError("the bench report carries no target config.json (target.config); run a newer "
-                               "`eyas bench-serve`")
+        raise CalibrationError(
+            "the bench report carries no target config.json (target.config); run a newer `eyas bench-serve`"
+        )
     dtype = report["target"].get("dtype", "bfloat16")
-    target = target_size_from_config(cfg, name=cfg.get("_name_or_path", "target").split("/")[-1],
-                                     bytes_per_param=4.0 if dtype == "float32" else 2.0)
+    target = target_size_from_config(
+        cfg,
+        name=cfg.get("_name_or_path", "target").split("/")[-1],
+        bytes_per_param=4.0 if dtype == "float32" else 2.0,
+    )
     heads = _heads(report, target)
     temp = report.get("speedup_temperature", 0.0)
     points = [p for p in report["points"] if p["temperature"] == temp and p["output_tok_s"] > 0]
@@ -88,19 +116,33 @@ def calibrate(report: dict, holdout_concurrency=(), holdout_k=(), name: str = "m
 
     def loss(x) -> float:
         hw = _hardware(x, name)
-        return sum((math.log(predicted_tok_s(hw, target, heads.get(p["drafter"]), p)) - math.log(p["output_tok_s"])) ** 2
-                   for p in fit)
+        return sum(
+            (math.log(predicted_tok_s(hw, target, heads.get(p["drafter"]), p)) - math.log(p["output_tok_s"]))
+            ** 2
+            for p in fit
+        )
 
     # start from a generic accelerator-less host: 10 ms per pass, 0.1 ms per layer, 20 GB/s, 100 GFLOP/s
     starts = [[math.log(v) for v in (o, 1e-4, bw, 1e11)] for o in (1e-3, 1e-2) for bw in (5e9, 5e10)]
-    best = min((minimize(loss, x0, method="Nelder-Mead", options={"maxiter": 4000, "xatol": 1e-4, "fatol": 1e-10})
-                for x0 in starts), key=lambda r: r.fun)
+    best = min(
+        (
+            minimize(loss, x0, method="Nelder-Mead", options={"maxiter": 4000, "xatol": 1e-4, "fatol": 1e-10})
+            for x0 in starts
+        ),
+        key=lambda r: r.fun,
+    )
     hw = _hardware(best.x, name)
     cal = Calibration(hw, target)
     for p in points:
         pred = predicted_tok_s(hw, target, heads.get(p["drafter"]), p)
-        row = {"drafter": p["drafter"], "k": p["k"], "concurrency": p["concurrency"], "measured_tok_s": p["output_tok_s"],
-               "predicted_tok_s": pred, "tok_s_error": pred / p["output_tok_s"] - 1}
+        row = {
+            "drafter": p["drafter"],
+            "k": p["k"],
+            "concurrency": p["concurrency"],
+            "measured_tok_s": p["output_tok_s"],
+            "predicted_tok_s": pred,
+            "tok_s_error": pred / p["output_tok_s"] - 1,
+        }
         base = plain.get(p["concurrency"])
         if p["kind"] != "plain" and base:
             meas = p["output_tok_s"] / base["output_tok_s"]
@@ -120,15 +162,26 @@ def default_holdout(report: dict) -> list[int]:
 
 def format_calibration(cal: Calibration) -> str:
     hw = cal.hardware
-    lines = [f"fitted {hw.name}: {hw.pass_overhead * 1e3:.2f} ms/pass + {hw.layer_latency * 1e6:.0f} us/layer, "
-             f"{hw.hbm_bandwidth / 1e9:.1f} GB/s, {hw.peak_flops / 1e9:.0f} GFLOP/s (effective)",
-             f"{'':4}{'drafter':>10} {'K':>3} {'conc':>5} {'meas t/s':>9} {'pred t/s':>9} {'meas x':>7} {'pred x':>7} {'err':>6}"]
+    lines = [
+        f"fitted {hw.name}: {hw.pass_overhead * 1e3:.2f} ms/pass + {hw.layer_latency * 1e6:.0f} us/layer, "
+        f"{hw.hbm_bandwidth / 1e9:.1f} GB/s, {hw.peak_flops / 1e9:.0f} GFLOP/s (effective)",
+        f"{'':4}{'drafter':>10} {'K':>3} {'conc':>5} {'meas t/s':>9} {'pred t/s':>9} {'meas x':>7} "
+        f"{'pred x':>7} {'err':>6}",
+    ]
     for tag, rows in (("fit", cal.fit_points), ("held", cal.heldout_points)):
         for r in rows:
-            sp = (f"{r['measured_speedup']:7.2f} {r['predicted_speedup']:7.2f} {r['speedup_error']:+6.0%}"
-                  if "speedup_error" in r else f"{'':7} {'':7} {r['tok_s_error']:+6.0%}")
-            lines.append(f"{tag:4}{r['drafter']:>10} {r['k'] or '-':>3} {r['concurrency']:>5} {r['measured_tok_s']:9.1f} "
-                         f"{r['predicted_tok_s']:9.1f} {sp}")
-    lines.append(f"max fit error (tok/s) {cal.max_fit_error:.1%}; max held-out speedup error "
-                 + (f"{cal.max_heldout_error:.1%}" if cal.max_heldout_error is not None else "n/a (nothing held out)"))
+            sp = (
+                f"{r['measured_speedup']:7.2f} {r['predicted_speedup']:7.2f} {r['speedup_error']:+6.0%}"
+                if "speedup_error" in r
+                else f"{'':7} {'':7} {r['tok_s_error']:+6.0%}"
+            )
+            lines.append(
+                f"{tag:4}{r['drafter']:>10} {r['k'] or '-':>3} {r['concurrency']:>5} "
+                f"{r['measured_tok_s']:9.1f} "
+                f"{r['predicted_tok_s']:9.1f} {sp}"
+            )
+    lines.append(
+        f"max fit error (tok/s) {cal.max_fit_error:.1%}; max held-out speedup error "
+        + (f"{cal.max_heldout_error:.1%}" if cal.max_heldout_error is not None else "n/a (nothing held out)")
+    )
     return "\n".join(lines)

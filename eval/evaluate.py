@@ -5,7 +5,7 @@ them (DESIGN §6)."""
 from __future__ import annotations
 
 import logging
-from typing import Collection, Optional
+from collections.abc import Collection
 
 import torch
 
@@ -21,16 +21,26 @@ log = logging.getLogger(__name__)
 TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 0.02, torch.bfloat16: 0.15}
 
 
-def first_difference(a: list[int], b: list[int]) -> Optional[int]:
+def first_difference(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def run_eval(model, tokenizer, prompts: list[WorkloadPrompt], drafters: dict, k: int, max_new_tokens: int,
-             temperature: float = 0.0, seed: int = 0, tie_tolerance: Optional[float] = None,
-             progress: bool = True, replay: Collection[str] = ()) -> dict:
+def run_eval(
+    model,
+    tokenizer,
+    prompts: list[WorkloadPrompt],
+    drafters: dict,
+    k: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    tie_tolerance: float | None = None,
+    progress: bool = True,
+    replay: Collection[str] = (),
+) -> dict:
     """Decode every turn of every prompt plainly and with each drafter.
 
     `drafters`: name -> drafter (`HeadDrafter`, `NgramDrafter`). The drafters named in
@@ -42,7 +52,9 @@ def run_eval(model, tokenizer, prompts: list[WorkloadPrompt], drafters: dict, k:
     replay = set(replay) if temperature <= 0 else set()
     unknown = replay - set(drafters)
     if unknown:
-        raise ValueError(f"replay names {sorted(unknown)}, which are not among the drafters {sorted(drafters)}")
+        raise ValueError(
+            f"replay names {sorted(unknown)}, which are not among the drafters {sorted(drafters)}"
+        )
     eos = stop_token_ids(model, tokenizer)
     device = model.get_output_embeddings().weight.device
     tol = TIE_TOLERANCE.get(model.dtype, 1e-4) if tie_tolerance is None else tie_tolerance
@@ -75,7 +87,11 @@ def run_eval(model, tokenizer, prompts: list[WorkloadPrompt], drafters: dict, k:
                 if name in replay:
                     tr = replay_greedy(model, ids, plain.tokens, drafter, k, max_new_tokens, eos)
                 else:
-                    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + seq) if temperature > 0 else None
+                    gen = (
+                        torch.Generator(device=device).manual_seed(seed * 1_000_003 + seq)
+                        if temperature > 0
+                        else None
+                    )
                     tr = speculative_decode(model, ids, drafter, k, max_new_tokens, eos, temperature, gen)
                 traces[name].append(tr)
                 cat[name].append(tr)
@@ -85,13 +101,19 @@ def run_eval(model, tokenizer, prompts: list[WorkloadPrompt], drafters: dict, k:
                     pos = first_difference(plain.tokens, tr.tokens)
                     if pos is not None:
                         margin = plain.margins[pos] if pos < len(plain.margins) else float("inf")
-                        mismatches.append({
-                            "drafter": name, "prompt_id": prompt.id, "turn": turn + 1, "position": pos,
-                            "expected": plain.tokens[pos] if pos < len(plain.tokens) else None,
-                            "got": tr.tokens[pos] if pos < len(tr.tokens) else None,
-                            "margin": margin, "near_tie": margin <= tol,
-                            "prompt": prompt.turns[turn][:200],
-                        })
+                        mismatches.append(
+                            {
+                                "drafter": name,
+                                "prompt_id": prompt.id,
+                                "turn": turn + 1,
+                                "position": pos,
+                                "expected": plain.tokens[pos] if pos < len(plain.tokens) else None,
+                                "got": tr.tokens[pos] if pos < len(tr.tokens) else None,
+                                "margin": margin,
+                                "near_tie": margin <= tol,
+                                "prompt": prompt.turns[turn][:200],
+                            }
+                        )
             replies.append(tokenizer.decode(plain.tokens, skip_special_tokens=True))
             seq += 1
             if bar:
@@ -105,7 +127,9 @@ def run_eval(model, tokenizer, prompts: list[WorkloadPrompt], drafters: dict, k:
         "drafters": {name: summarize(t, k) for name, t in traces.items()},
         "per_category": {c: {n: summarize(t, k) for n, t in d.items()} for c, d in by_cat.items()},
         # Later turns read the earlier replies (the target's own, plainly decoded) as context.
-        "per_turn": {str(t): {n: summarize(tr, k) for n, tr in d.items()} for t, d in sorted(by_turn.items())},
+        "per_turn": {
+            str(t): {n: summarize(tr, k) for n, tr in d.items()} for t, d in sorted(by_turn.items())
+        },
         "replayed": sorted(replay),
         "lossless": {
             "checked": checked,

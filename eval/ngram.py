@@ -16,7 +16,9 @@ VLLM_DEFAULT_MIN = 5
 VLLM_DEFAULT_MAX = 5
 
 
-def ngram_propose(tokens: np.ndarray, k: int, min_n: int = VLLM_DEFAULT_MIN, max_n: int = VLLM_DEFAULT_MAX) -> np.ndarray:
+def ngram_propose(
+    tokens: np.ndarray, k: int, min_n: int = VLLM_DEFAULT_MIN, max_n: int = VLLM_DEFAULT_MAX
+) -> np.ndarray:
     """tokens [T] int -> up to k proposed ids (empty when no n-gram of the suffix recurs)."""
     total = tokens.shape[0]
     if min_n < 1 or max_n < min_n:
@@ -25,10 +27,10 @@ def ngram_propose(tokens: np.ndarray, k: int, min_n: int = VLLM_DEFAULT_MIN, max
         # Windows of the context minus its last token: an occurrence must end before the
         # suffix itself does (overlap with it is allowed).
         windows = sliding_window_view(tokens[: total - 1], n)
-        hits = np.flatnonzero((windows == tokens[total - n:]).all(axis=1))
+        hits = np.flatnonzero((windows == tokens[total - n :]).all(axis=1))
         if hits.size:
             start = int(hits[0]) + n
-            return tokens[start:start + k]
+            return tokens[start : start + k]
     return tokens[:0]
 
 

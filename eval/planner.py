@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Optional
 
 from eyas.acceptance import expected_tokens_per_step
 
@@ -37,15 +36,18 @@ class Hardware:
     memory_bytes: float = 0.0  # accelerator memory, for the VRAM tax (0: unknown)
 
 
-HARDWARE = {h.name: h for h in (
-    Hardware("B200", 8.0e12, 2.25e15, memory_bytes=180e9),
-    Hardware("H200", 4.8e12, 0.989e15, memory_bytes=141e9),
-    Hardware("H100", 3.35e12, 0.989e15, memory_bytes=80e9),
-    Hardware("A100", 2.039e12, 0.312e15, memory_bytes=80e9),
-    Hardware("L40S", 0.864e12, 0.362e15, memory_bytes=48e9),
-    Hardware("L4", 0.300e12, 0.121e15, memory_bytes=24e9),
-    Hardware("MI300X", 5.3e12, 1.307e15, memory_bytes=192e9),
-)}
+HARDWARE = {
+    h.name: h
+    for h in (
+        Hardware("B200", 8.0e12, 2.25e15, memory_bytes=180e9),
+        Hardware("H200", 4.8e12, 0.989e15, memory_bytes=141e9),
+        Hardware("H100", 3.35e12, 0.989e15, memory_bytes=80e9),
+        Hardware("A100", 2.039e12, 0.312e15, memory_bytes=80e9),
+        Hardware("L40S", 0.864e12, 0.362e15, memory_bytes=48e9),
+        Hardware("L4", 0.300e12, 0.121e15, memory_bytes=24e9),
+        Hardware("MI300X", 5.3e12, 1.307e15, memory_bytes=192e9),
+    )
+}
 
 
 def load_hardware(spec: str) -> Hardware:
@@ -54,16 +56,24 @@ def load_hardware(spec: str) -> Hardware:
         return HARDWARE[spec]
     path = Path(spec)
     if not path.is_file():
-        raise ValueError(f"unknown hardware {spec!r}: choose from {', '.join(HARDWARE)} or give a JSON profile file")
+        raise ValueError(
+            f"unknown hardware {spec!r}: choose from {', '.join(HARDWARE)} or give a JSON profile file"
+        )
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not a JSON hardware profile ({err})") from None
     raw = raw.get("hardware", raw) if isinstance(raw, dict) else raw
     known = set(Hardware.__dataclass_fields__)
-    if not isinstance(raw, dict) or set(raw) - known or not {"name", "hbm_bandwidth", "peak_flops"} <= set(raw):
-        raise ValueError(f"{path}: a hardware profile holds name, hbm_bandwidth, peak_flops and optionally "
-                         f"{sorted(known - {'name', 'hbm_bandwidth', 'peak_flops'})}; got keys {sorted(raw or {})}")
+    if (
+        not isinstance(raw, dict)
+        or set(raw) - known
+        or not {"name", "hbm_bandwidth", "peak_flops"} <= set(raw)
+    ):
+        raise ValueError(
+            f"{path}: a hardware profile holds name, hbm_bandwidth, peak_flops and optionally "
+            f"{sorted(known - {'name', 'hbm_bandwidth', 'peak_flops'})}; got keys {sorted(raw or {})}"
+        )
     return Hardware(**raw)
 
 
@@ -86,7 +96,7 @@ class TargetSize:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_bytes_per_param: float = 2.0
-    sliding_window: Optional[int] = None
+    sliding_window: int | None = None
     sliding_fraction: float = 0.0  # share of layers with a sliding window
 
     def weight_bytes(self, tokens: float) -> float:
@@ -99,7 +109,9 @@ class TargetSize:
 
     def total_weight_bytes(self) -> float:
         """Bytes of all weights held in memory (every expert)."""
-        return (self.total_params - self.expert_params) * self.bytes_per_param + self.expert_params * self.expert_bytes_per_param
+        return (
+            self.total_params - self.expert_params
+        ) * self.bytes_per_param + self.expert_params * self.expert_bytes_per_param
 
     def _route_share(self) -> float:
         return self.experts_per_token / self.num_experts if self.num_experts else 0.0
@@ -113,22 +125,70 @@ class TargetSize:
 
     def attention_flops(self, context: int) -> float:
         """FLOPs per new token for attention over `context` tokens."""
-        eff = (1 - self.sliding_fraction) * context + self.sliding_fraction * min(context, self.sliding_window or context)
+        eff = (1 - self.sliding_fraction) * context + self.sliding_fraction * min(
+            context, self.sliding_window or context
+        )
         return 4 * self.num_layers * self.num_heads * self.head_dim * eff
 
 
-TARGETS = {t.name: t for t in (
-    TargetSize("gpt-oss-20b", 20.9e9, 3.6e9, 24, 2880, 64, 8, 64, 201088, 2880 * 3,
-               expert_params=19.1e9, num_experts=32, experts_per_token=4, expert_bytes_per_param=0.53,
-               sliding_window=128, sliding_fraction=0.5),
-    TargetSize("gpt-oss-120b", 116.8e9, 5.1e9, 36, 2880, 64, 8, 64, 201088, 2880 * 3,
-               expert_params=114.7e9, num_experts=128, experts_per_token=4, expert_bytes_per_param=0.53,
-               sliding_window=128, sliding_fraction=0.5),
-    TargetSize("qwen3-coder-30b-a3b", 30.5e9, 3.3e9, 48, 2048, 32, 4, 128, 151936, 6144,
-               expert_params=29.0e9, num_experts=128, experts_per_token=8),
-    TargetSize("llama-3.1-8b", 8.03e9, 8.03e9, 32, 4096, 32, 8, 128, 128256, 14336),
-    TargetSize("smollm2-135m", 0.135e9, 0.135e9, 30, 576, 9, 3, 64, 49152, 1536),
-)}
+TARGETS = {
+    t.name: t
+    for t in (
+        TargetSize(
+            "gpt-oss-20b",
+            20.9e9,
+            3.6e9,
+            24,
+            2880,
+            64,
+            8,
+            64,
+            201088,
+            2880 * 3,
+            expert_params=19.1e9,
+            num_experts=32,
+            experts_per_token=4,
+            expert_bytes_per_param=0.53,
+            sliding_window=128,
+            sliding_fraction=0.5,
+        ),
+        TargetSize(
+            "gpt-oss-120b",
+            116.8e9,
+            5.1e9,
+            36,
+            2880,
+            64,
+            8,
+            64,
+            201088,
+            2880 * 3,
+            expert_params=114.7e9,
+            num_experts=128,
+            experts_per_token=4,
+            expert_bytes_per_param=0.53,
+            sliding_window=128,
+            sliding_fraction=0.5,
+        ),
+        TargetSize(
+            "qwen3-coder-30b-a3b",
+            30.5e9,
+            3.3e9,
+            48,
+            2048,
+            32,
+            4,
+            128,
+            151936,
+            6144,
+            expert_params=29.0e9,
+            num_experts=128,
+            experts_per_token=8,
+        ),
+        TargetSize("llama-3.1-8b", 8.03e9, 8.03e9, 32, 4096, 32, 8, 128, 128256, 14336),
+        TargetSize("smollm2-135m", 0.135e9, 0.135e9, 30, 576, 9, 3, 64, 49152, 1536),
+    )
+}
 
 
 def target_size_from_config(cfg: dict, name: str = "measured", bytes_per_param: float = 2.0) -> TargetSize:
@@ -152,9 +212,28 @@ def target_size_from_config(cfg: dict, name: str = "measured", bytes_per_param: 
     total = dense + expert_total
     active = dense + expert_total * (per_tok / experts if experts else 0)
     window = cfg.get("sliding_window") if cfg.get("layer_types") or cfg.get("use_sliding_window") else None
-    sliding = (sum(t == "sliding_attention" for t in cfg.get("layer_types") or []) / layers) if window else 0.0
-    return TargetSize(name, float(total), float(active), layers, h, heads, kv, hd, vocab, inter, bytes_per_param,
-                      float(expert_total), experts, per_tok, bytes_per_param, window if sliding else None, sliding)
+    sliding = (
+        (sum(t == "sliding_attention" for t in cfg.get("layer_types") or []) / layers) if window else 0.0
+    )
+    return TargetSize(
+        name,
+        float(total),
+        float(active),
+        layers,
+        h,
+        heads,
+        kv,
+        hd,
+        vocab,
+        inter,
+        bytes_per_param,
+        float(expert_total),
+        experts,
+        per_tok,
+        bytes_per_param,
+        window if sliding else None,
+        sliding,
+    )
 
 
 def parse_target(spec: str) -> TargetSize:
@@ -165,7 +244,9 @@ def parse_target(spec: str) -> TargetSize:
     if key in TARGETS:
         return TARGETS[key]
     if "=" not in spec:
-        raise ValueError(f"unknown target {spec!r}: choose from {sorted(TARGETS)} or give key=value,... sizes")
+        raise ValueError(
+            f"unknown target {spec!r}: choose from {sorted(TARGETS)} or give key=value,... sizes"
+        )
     fields = dict(item.split("=", 1) for item in spec.split(","))
     kw: dict = {"name": fields.pop("name", "custom")}
     types = {f: t for f, t in TargetSize.__annotations__.items()}
@@ -189,7 +270,9 @@ class HeadSize:
     kv_per_token: float  # bytes
 
 
-def head_size(target: TargetSize, algorithm: str, num_layers: Optional[int] = None, draft_vocab: int = 32000) -> HeadSize:
+def head_size(
+    target: TargetSize, algorithm: str, num_layers: int | None = None, draft_vocab: int = 32000
+) -> HeadSize:
     """A head shaped like the target's decoder layers (DESIGN §3/§4): layer 0 reads 2H,
     fc from 3·Ht, lm_head over the draft vocabulary."""
     layers = num_layers or (1 if algorithm == "eagle3" else 4)
@@ -209,8 +292,13 @@ def pass_time(hw: Hardware, layers: int, weight_bytes: float, flops: float, kv_b
 
 def target_time(hw: Hardware, t: TargetSize, batch: int, tokens_per_seq: int, context: int) -> float:
     n = batch * tokens_per_seq
-    return pass_time(hw, t.num_layers, t.weight_bytes(n), n * (2 * t.active_params + t.attention_flops(context)),
-                     batch * t.kv_bytes(context))
+    return pass_time(
+        hw,
+        t.num_layers,
+        t.weight_bytes(n),
+        n * (2 * t.active_params + t.attention_flops(context)),
+        batch * t.kv_bytes(context),
+    )
 
 
 def draft_time(hw: Hardware, head: HeadSize, batch: int, k: int, accepted: float, context: int) -> float:
@@ -246,19 +334,33 @@ class Plan:
     ks: list[int]
     speedup: dict = field(default_factory=dict)  # {concurrency: {k: speedup}}
     best_k: dict = field(default_factory=dict)
-    breakeven_concurrency: Optional[int] = None  # smallest concurrency where no K pays
+    breakeven_concurrency: int | None = None  # smallest concurrency where no K pays
     vram: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return {"hardware": asdict(self.hardware), "target": asdict(self.target), "head": asdict(self.head),
-                "acceptance": self.acceptance, "context": self.context,
-                "expected_tokens_per_step": {k: expected_tokens_per_step(self.acceptance[:k]) for k in self.ks},
-                "speedup": self.speedup, "best_k": self.best_k, "breakeven_concurrency": self.breakeven_concurrency,
-                "vram_tax": self.vram}
+        return {
+            "hardware": asdict(self.hardware),
+            "target": asdict(self.target),
+            "head": asdict(self.head),
+            "acceptance": self.acceptance,
+            "context": self.context,
+            "expected_tokens_per_step": {k: expected_tokens_per_step(self.acceptance[:k]) for k in self.ks},
+            "speedup": self.speedup,
+            "best_k": self.best_k,
+            "breakeven_concurrency": self.breakeven_concurrency,
+            "vram_tax": self.vram,
+        }
 
 
-def plan(acceptance: list[float], hw: Hardware, target: TargetSize, head: HeadSize, context: int = 2048,
-         concurrency=CONCURRENCY, max_k: int = 8) -> Plan:
+def plan(
+    acceptance: list[float],
+    hw: Hardware,
+    target: TargetSize,
+    head: HeadSize,
+    context: int = 2048,
+    concurrency=CONCURRENCY,
+    max_k: int = 8,
+) -> Plan:
     ks = list(range(1, max_k + 1))
     rates = extend_rates(list(acceptance), max_k)
     p = Plan(hw, target, head, rates, context, list(concurrency), ks)
@@ -297,7 +399,8 @@ def assumptions(p: Plan) -> list[str]:
         f"KV {t.kv_bytes(p.context) / 1e6:.1f} MB per sequence at context {p.context}",
         f"head {h.algorithm}: {h.num_layers} layer(s), {h.params / 1e6:.0f}M params (bf16); "
         + ("K chained draft passes" if h.algorithm == "eagle3" else "one draft pass for all K"),
-        "acceptance a_k: " + ", ".join(f"{a:.3f}" for a in p.acceptance)
+        "acceptance a_k: "
+        + ", ".join(f"{a:.3f}" for a in p.acceptance)
         + " (positions past the measured ones repeat the last measured rate)",
         "E_K = 1 + sum_k prod_{j<=k} a_j; speedup = E_K * t_plain / (t_draft + t_verify(K+1))",
         format_vram_tax(p.vram),
@@ -307,11 +410,16 @@ def assumptions(p: Plan) -> list[str]:
 
 def format_plan(p: Plan) -> str:
     head = ["conc"] + [f"K={k}" for k in p.ks] + ["best K"]
-    rows = [head] + [[str(b)] + [f"{p.speedup[b][k]:.2f}" for k in p.ks] + [str(p.best_k[b])] for b in p.concurrency]
+    rows = [head] + [
+        [str(b)] + [f"{p.speedup[b][k]:.2f}" for k in p.ks] + [str(p.best_k[b])] for b in p.concurrency
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     table = "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
-    off = (f"speculation stops paying at concurrency >= {p.breakeven_concurrency}" if p.breakeven_concurrency
-           else f"speculation pays at every concurrency up to {p.concurrency[-1]}")
+    off = (
+        f"speculation stops paying at concurrency >= {p.breakeven_concurrency}"
+        if p.breakeven_concurrency
+        else f"speculation pays at every concurrency up to {p.concurrency[-1]}"
+    )
     return table + "\n" + off
 
 
@@ -345,31 +453,49 @@ def dumps(plans: dict) -> str:
     return json.dumps({n: p.as_dict() for n, p in plans.items()}, indent=2)
 
 
-def vram_tax(hw: Hardware, target: TargetSize, head: HeadSize, context: int, memory_utilization: float = 0.9) -> dict:
+def vram_tax(
+    hw: Hardware, target: TargetSize, head: HeadSize, context: int, memory_utilization: float = 0.9
+) -> dict:
     """What the head costs in accelerator memory: its weights (bf16), its KV cache per token
     and per sequence, and how many fewer sequences of `context` tokens fit in the KV budget
     left after the target's weights (`memory_utilization` of the device, vLLM's default)."""
     head_bytes = head.params * 2
     target_kv = target.kv_bytes(context)
     head_kv = head.kv_per_token * context
-    out = {"head_weight_bytes": head_bytes, "draft_kv_bytes_per_token": head.kv_per_token,
-           "draft_kv_bytes_per_sequence": head_kv, "target_kv_bytes_per_sequence": target_kv,
-           "target_weight_bytes": target.total_weight_bytes(), "context": context}
+    out = {
+        "head_weight_bytes": head_bytes,
+        "draft_kv_bytes_per_token": head.kv_per_token,
+        "draft_kv_bytes_per_sequence": head_kv,
+        "target_kv_bytes_per_sequence": target_kv,
+        "target_weight_bytes": target.total_weight_bytes(),
+        "context": context,
+    }
     if hw.memory_bytes:
         budget = hw.memory_bytes * memory_utilization - target.total_weight_bytes()
         plain = max(0, int(budget // target_kv))
         spec = max(0, int((budget - head_bytes) // (target_kv + head_kv)))
-        out.update(kv_budget_bytes=budget, sequences_plain=plain, sequences_with_head=spec,
-                   fewer_sequences=plain - spec, fewer_fraction=(plain - spec) / plain if plain else None)
+        out.update(
+            kv_budget_bytes=budget,
+            sequences_plain=plain,
+            sequences_with_head=spec,
+            fewer_sequences=plain - spec,
+            fewer_fraction=(plain - spec) / plain if plain else None,
+        )
     return out
 
 
 def format_vram_tax(tax: dict) -> str:
-    line = (f"VRAM tax: head {tax['head_weight_bytes'] / 1e9:.2f} GB, draft KV {tax['draft_kv_bytes_per_token'] / 1e3:.1f} "
-            f"KB/token ({tax['draft_kv_bytes_per_sequence'] / 1e6:.1f} MB per sequence at {tax['context']} tokens, "
-            f"target {tax['target_kv_bytes_per_sequence'] / 1e6:.1f} MB)")
+    line = (
+        f"VRAM tax: head {tax['head_weight_bytes'] / 1e9:.2f} GB, draft KV "
+        f"{tax['draft_kv_bytes_per_token'] / 1e3:.1f} "
+        f"KB/token ({tax['draft_kv_bytes_per_sequence'] / 1e6:.1f} MB per sequence at {tax['context']} "
+        f"tokens, "
+        f"target {tax['target_kv_bytes_per_sequence'] / 1e6:.1f} MB)"
+    )
     if "sequences_plain" in tax:
         frac = tax["fewer_fraction"]
-        line += (f"; {tax['sequences_plain']} sequences fit plain, {tax['sequences_with_head']} with the head "
-                 f"({tax['fewer_sequences']} fewer" + (f", {frac:.1%})" if frac is not None else ")"))
+        line += (
+            f"; {tax['sequences_plain']} sequences fit plain, {tax['sequences_with_head']} with the head "
+            f"({tax['fewer_sequences']} fewer" + (f", {frac:.1%})" if frac is not None else ")")
+        )
     return line

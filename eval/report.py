@@ -55,16 +55,18 @@ def summarize(traces, k: int) -> dict:
         "target_forwards": sum(t.forwards for t in traces),
     }
     if steps:
-        out.update({
-            "verify_steps": steps,
-            "tau": (accepted + steps) / steps,
-            "tar": accepted / proposed if proposed else 0.0,
-            "proposed": proposed,
-            "accepted": accepted,
-            "per_position_acceptance": rates,
-            "reached_per_position": reached,
-            "tau_from_acceptance": expected_tokens_per_step(known),
-        })
+        out.update(
+            {
+                "verify_steps": steps,
+                "tau": (accepted + steps) / steps,
+                "tar": accepted / proposed if proposed else 0.0,
+                "proposed": proposed,
+                "accepted": accepted,
+                "per_position_acceptance": rates,
+                "reached_per_position": reached,
+                "tau_from_acceptance": expected_tokens_per_step(known),
+            }
+        )
         if any(exp_n):
             out["expected_acceptance"] = [s / n if n else None for s, n in zip(exp_sum, exp_n)]
     return out
@@ -78,17 +80,31 @@ def verdicts(report: dict) -> list[str]:
     head, ngram = drafters.get("head"), drafters.get("ngram")
     first = (head or {}).get("per_position_acceptance") or [None]
     if first[0] is not None and first[0] < LOW_FIRST_ACCEPTANCE:
-        lines.append(f"WARNING: the target accepts the head's first draft token {first[0]:.1%} of the time, "
-                     f"below {LOW_FIRST_ACCEPTANCE:.0%}: the head predicts the target poorly (too little training "
-                     "data or too few steps; near 0: a wrong target, wrong aux layers or a vocabulary-map problem)")
-    if head and ngram and head.get("tau") is not None and ngram.get("tau") is not None and head["tau"] <= ngram["tau"]:
-        lines.append(f"WARNING: the head (tau {head['tau']:.2f}) does not beat prompt lookup (tau {ngram['tau']:.2f}): "
-                     "not worth serving; use vLLM's n-gram drafter instead")
+        lines.append(
+            f"WARNING: the target accepts the head's first draft token {first[0]:.1%} of the time, "
+            f"below {LOW_FIRST_ACCEPTANCE:.0%}: the head predicts the target poorly (too little training "
+            "data or too few steps; near 0: a wrong target, wrong aux layers or a vocabulary-map problem)"
+        )
+    if (
+        head
+        and ngram
+        and head.get("tau") is not None
+        and ngram.get("tau") is not None
+        and head["tau"] <= ngram["tau"]
+    ):
+        lines.append(
+            f"WARNING: the head (tau {head['tau']:.2f}) does not beat prompt lookup (tau "
+            f"{ngram['tau']:.2f}): "
+            "not worth serving; use vLLM's n-gram drafter instead"
+        )
     lossless = report.get("lossless", {})
     for m in lossless.get("mismatches", []):
         kind = "near-tie (numerical)" if m["near_tie"] else "MISMATCH"
-        lines.append(f"{kind}: {m['drafter']} differs from plain greedy on prompt {m['prompt_id']} turn {m['turn']} "
-                     f"at token {m['position']} (expected {m['expected']}, got {m['got']}, top-2 margin {m['margin']:.4f})")
+        lines.append(
+            f"{kind}: {m['drafter']} differs from plain greedy on prompt {m['prompt_id']} turn {m['turn']} "
+            f"at token {m['position']} (expected {m['expected']}, got {m['got']}, top-2 margin "
+            f"{m['margin']:.4f})"
+        )
     return lines
 
 
@@ -108,25 +124,41 @@ def table_rows(report: dict) -> list[list[str]]:
         rates = (s.get("per_position_acceptance") or [None] * k)[:k]
         speed = s.get("tokens_per_s")
         ratio = speed / plain["tokens_per_s"] if speed and plain.get("tokens_per_s") else None
-        rows.append([name, _fmt(s.get("tau")), _fmt(s.get("tar"), True), *[_fmt(r, True) for r in rates],
-                     _fmt(speed), _fmt(ratio)])
+        rows.append(
+            [
+                name,
+                _fmt(s.get("tau")),
+                _fmt(s.get("tar"), True),
+                *[_fmt(r, True) for r in rates],
+                _fmt(speed),
+                _fmt(ratio),
+            ]
+        )
     return rows
 
 
 def format_table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
+    return "\n".join(
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows
+    )
 
 
 def _replay_notes(report: dict) -> list[str]:
-    return [f"{name}: replayed over the plain greedy tokens (the tau and acceptance decoding gives; tok/s not "
-            "measured: --decode-baseline decodes it)" for name in report.get("replayed", [])]
+    return [
+        f"{name}: replayed over the plain greedy tokens (the tau and acceptance decoding gives; tok/s not "
+        "measured: --decode-baseline decodes it)"
+        for name in report.get("replayed", [])
+    ]
 
 
 def format_report(report: dict) -> str:
-    lines = [f"target {report['target']}  head {report.get('head') or '-'}  workload {report['workload']}  "
-             f"K={report['k']}  temperature={report['temperature']}  prompts={report['num_prompts']} "
-             f"turns={report['num_sequences']}", format_table(table_rows(report))]
+    lines = [
+        f"target {report['target']}  head {report.get('head') or '-'}  workload {report['workload']}  "
+        f"K={report['k']}  temperature={report['temperature']}  prompts={report['num_prompts']} "
+        f"turns={report['num_sequences']}",
+        format_table(table_rows(report)),
+    ]
     lines += _replay_notes(report)
     cats = report.get("per_category", {})
     if cats:
@@ -135,26 +167,44 @@ def format_report(report: dict) -> str:
             lines.append("  " + cat + ": " + ", ".join(f"{n} {_fmt(s.get('tau'))}" for n, s in by.items()))
     turns = report.get("per_turn", {})
     if len(turns) > 1:
-        lines.append("per turn (tau): " + "; ".join(
-            f"turn {t}: " + ", ".join(f"{n} {_fmt(s.get('tau'))}" for n, s in by.items()) for t, by in turns.items()))
+        lines.append(
+            "per turn (tau): "
+            + "; ".join(
+                f"turn {t}: " + ", ".join(f"{n} {_fmt(s.get('tau'))}" for n, s in by.items())
+                for t, by in turns.items()
+            )
+        )
     lossless = report.get("lossless")
     if lossless and lossless.get("checked"):
-        lines.append(f"lossless check: {'PASSED' if lossless['passed'] else 'FAILED'} "
-                     f"({lossless['checked']} sequences, {len(lossless['mismatches'])} differing)")
+        lines.append(
+            f"lossless check: {'PASSED' if lossless['passed'] else 'FAILED'} "
+            f"({lossless['checked']} sequences, {len(lossless['mismatches'])} differing)"
+        )
     lines += verdicts(report)
     return "\n".join(lines)
 
 
 def markdown(report: dict) -> str:
     rows = table_rows(report)
-    md = ["# Offline speculative-decoding evaluation", "",
-          f"- target: `{report['target']}`", f"- head: `{report.get('head') or '-'}`",
-          f"- workload: `{report['workload']}` ({report['num_prompts']} prompts, {report['num_sequences']} turns)",
-          f"- K = {report['k']}, temperature = {report['temperature']}, max_new_tokens = {report['max_new_tokens']}",
-          "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    md = [
+        "# Offline speculative-decoding evaluation",
+        "",
+        f"- target: `{report['target']}`",
+        f"- head: `{report.get('head') or '-'}`",
+        f"- workload: `{report['workload']}` ({report['num_prompts']} prompts, "
+        f"{report['num_sequences']} turns)",
+        f"- K = {report['k']}, temperature = {report['temperature']}, max_new_tokens = "
+        f"{report['max_new_tokens']}",
+        "",
+        "| " + " | ".join(rows[0]) + " |",
+        "|" + "---|" * len(rows[0]),
+    ]
     md += ["| " + " | ".join(r) + " |" for r in rows[1:]]
-    md += ["", "tau = tokens per target forward; a_k = acceptance of draft position k given 1..k-1 accepted; "
-           "TAR = accepted / proposed; tok/s measured on this machine."]
+    md += [
+        "",
+        "tau = tokens per target forward; a_k = acceptance of draft position k given 1..k-1 accepted; "
+        "TAR = accepted / proposed; tok/s measured on this machine.",
+    ]
     md += [f"- {n}" for n in _replay_notes(report)]
     notes = verdicts(report)
     if notes:
@@ -173,10 +223,17 @@ def plot(report: dict, path: Path) -> Path:
     names = list(report["drafters"])
     width = 0.8 / max(1, len(names))
     for i, name in enumerate(names):
-        rates = [r if r is not None else 0.0 for r in (report["drafters"][name].get("per_position_acceptance") or [0.0] * k)]
+        rates = [
+            r if r is not None else 0.0
+            for r in (report["drafters"][name].get("per_position_acceptance") or [0.0] * k)
+        ]
         tau = report["drafters"][name].get("tau")
-        ax.bar([p + 1 + (i - (len(names) - 1) / 2) * width for p in range(k)], rates, width,
-               label=f"{name} (tau {tau:.2f})" if tau is not None else name)
+        ax.bar(
+            [p + 1 + (i - (len(names) - 1) / 2) * width for p in range(k)],
+            rates,
+            width,
+            label=f"{name} (tau {tau:.2f})" if tau is not None else name,
+        )
     ax.set_xlabel("draft position k")
     ax.set_ylabel("acceptance given 1..k-1 accepted")
     ax.set_ylim(0, 1)

@@ -54,7 +54,9 @@ def greedy_decode(model, prompt: list[int], max_new_tokens: int, eos_ids: set[in
     device = model.get_output_embeddings().weight.device
     cache = new_target_cache(model)
     start = time.perf_counter()
-    logits = model(input_ids=torch.tensor([prompt], device=device), cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    logits = model(
+        input_ids=torch.tensor([prompt], device=device), cache=cache, use_cache=True, logits_to_keep=1
+    ).logits[0, -1]
     out, margins, forwards = [], [], 1
     while True:
         top = logits.float().topk(2)
@@ -63,7 +65,9 @@ def greedy_decode(model, prompt: list[int], max_new_tokens: int, eos_ids: set[in
         margins.append(float(top.values[0] - top.values[1]))
         if tok in eos_ids or len(out) >= max_new_tokens:
             break
-        logits = model(input_ids=torch.tensor([[tok]], device=device), cache=cache, use_cache=True).logits[0, -1]
+        logits = model(input_ids=torch.tensor([[tok]], device=device), cache=cache, use_cache=True).logits[
+            0, -1
+        ]
         forwards += 1
     return DecodeTrace(tokens=out, seconds=time.perf_counter() - start, forwards=forwards, margins=margins)
 
@@ -104,15 +108,25 @@ def _extend_to_eos(generated: list[int], new: list[int], eos_ids: set[int]) -> i
 
 
 @torch.no_grad()
-def speculative_decode(model, prompt: list[int], drafter, k: int, max_new_tokens: int, eos_ids: set[int],
-                       temperature: float = 0.0, generator=None) -> DecodeTrace:
+def speculative_decode(
+    model,
+    prompt: list[int],
+    drafter,
+    k: int,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    temperature: float = 0.0,
+    generator=None,
+) -> DecodeTrace:
     """Draft / verify / accept until EOS or `max_new_tokens` (the output is truncated there)."""
     device = model.get_output_embeddings().weight.device
     cache = new_target_cache(model)
     trace = DecodeTrace(tokens=[], seconds=0.0, forwards=1)
     start = time.perf_counter()
     with capture_aux(model, drafter.aux_layer_ids) as grabbed:
-        out = model(input_ids=torch.tensor([prompt], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=torch.tensor([prompt], device=device), cache=cache, use_cache=True, logits_to_keep=1
+        )
         last = int(sample_tokens(out.logits[0, -1:], temperature, generator=generator)[0])
         aux = grabbed.get("aux")
         drafter.start(prompt, last, aux[0] if aux is not None else None)
@@ -131,7 +145,9 @@ def speculative_decode(model, prompt: list[int], drafter, k: int, max_new_tokens
             else:
                 p = torch.softmax(logits.float() / temperature, dim=-1)
                 if kd:
-                    q_full = q.to(p) if q is not None else torch.nn.functional.one_hot(draft, p.shape[-1]).to(p)
+                    q_full = (
+                        q.to(p) if q is not None else torch.nn.functional.one_hot(draft, p.shape[-1]).to(p)
+                    )
                     trace.expected.append(torch.minimum(p[:kd], q_full).sum(-1).tolist())
                 n, bonus = rejection_sample(p, q.to(p) if q is not None else None, draft, generator)
             new = draft[:n].tolist() + [bonus]
@@ -147,8 +163,9 @@ def speculative_decode(model, prompt: list[int], drafter, k: int, max_new_tokens
 
 
 @torch.no_grad()
-def replay_greedy(model, prompt: list[int], reference: list[int], drafter, k: int, max_new_tokens: int,
-                  eos_ids: set[int]) -> DecodeTrace:
+def replay_greedy(
+    model, prompt: list[int], reference: list[int], drafter, k: int, max_new_tokens: int, eos_ids: set[int]
+) -> DecodeTrace:
     """The trace `speculative_decode` gives at temperature 0, for a drafter that reads only
     tokens (`aux_layer_ids` empty, e.g. n-gram), walked over the plain greedy output
     `reference` instead of decoded: under greedy a draft token is accepted exactly when it
@@ -157,7 +174,9 @@ def replay_greedy(model, prompt: list[int], reference: list[int], drafter, k: in
     matching needs the target: one forward over the context gives the tokens there.
     `seconds` is 0: nothing was timed, so tok/s stays unmeasured."""
     if drafter.aux_layer_ids:
-        raise ValueError(f"replay_greedy needs a drafter that reads tokens only; {drafter.name!r} reads target states")
+        raise ValueError(
+            f"replay_greedy needs a drafter that reads tokens only; {drafter.name!r} reads target states"
+        )
     device = model.get_output_embeddings().weight.device
     trace = DecodeTrace(tokens=[], seconds=0.0, forwards=1)
     last = reference[0]
@@ -166,13 +185,13 @@ def replay_greedy(model, prompt: list[int], reference: list[int], drafter, k: in
     while last not in eos_ids and len(generated) < max_new_tokens:
         draft = drafter.propose(k)[0].tolist()
         kd, g = len(draft), len(generated)
-        truth = reference[g:g + kd + 1]  # the target's greedy token at positions g .. g+kd
+        truth = reference[g : g + kd + 1]  # the target's greedy token at positions g .. g+kd
         n = 0
         while n < kd and n < len(truth) and draft[n] == truth[n]:
             n += 1
         if n == len(truth):  # every known position matched: the target decides the rest
             ids = torch.tensor([prompt + generated + draft], device=device)
-            truth = model(input_ids=ids).logits[0, len(prompt) + g - 1:].argmax(-1).tolist()
+            truth = model(input_ids=ids).logits[0, len(prompt) + g - 1 :].argmax(-1).tolist()
             while n < kd and draft[n] == truth[n]:
                 n += 1
         new = draft[:n] + [truth[n]]
@@ -211,8 +230,15 @@ class HeadDrafter:
         tokens, aux = self._pending
         n = len(tokens)
         positions = torch.arange(self._next_pos, self._next_pos + n, device=self.device)[None]
-        ids, logits = self.head.draft(self.cache, torch.tensor([tokens], device=self.device),
-                                      aux[None].to(self.device), positions, k, temperature, generator)
+        ids, logits = self.head.draft(
+            self.cache,
+            torch.tensor([tokens], device=self.device),
+            aux[None].to(self.device),
+            positions,
+            k,
+            temperature,
+            generator,
+        )
         self._next_pos += n
         q = None
         if temperature > 0:

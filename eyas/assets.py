@@ -24,5 +24,7 @@ def packaged_file(module: str, relative: str, pip_name: str, install: str | None
         raise FileNotFoundError(f"cannot locate the files of {pip_name}; reinstall it with:\n  {install}")
     path = root / relative
     if not path.is_file():
-        raise FileNotFoundError(f"{pip_name} is installed but {path} is missing; reinstall it with:\n  {install}")
+        raise FileNotFoundError(
+            f"{pip_name} is installed but {path} is missing; reinstall it with:\n  {install}"
+        )
     return path

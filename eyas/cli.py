@@ -13,7 +13,8 @@ import logging
 import sys
 
 STAGES = {
-    "prepare": "read conversations, render with the target's chat template, build loss masks (optionally regenerate replies with the target)",
+    "prepare": "read conversations, render with the target's chat template, build loss masks "
+    "(optionally regenerate replies with the target)",
     "capture": "run the frozen target over a prepared dataset and cache its hidden states",
     "train": "train a draft head (EAGLE-3 or P-EAGLE) from a recipe",
     "export": "write a trained head in the format vLLM serves (and validate it)",
@@ -37,8 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="stage", metavar="STAGE")
     for stage, summary in STAGES.items():
         module = importlib.import_module(f"eyas.commands.{stage.replace('-', '_')}")
-        p = sub.add_parser(stage, help=summary, description=(module.__doc__ or summary).strip(),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            stage,
+            help=summary,
+            description=(module.__doc__ or summary).strip(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser
@@ -79,15 +84,21 @@ def known_failure(err: BaseException) -> str | None:
         if mod is not None and isinstance(err, tuple(getattr(mod, n) for n in names)):
             return str(err)
     if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-        return f"no space left on the device writing {err.filename or 'a file'}: free some space and run again " \
-               "(a checkpointed stage resumes where it stopped)"
+        return (
+            f"no space left on the device writing {err.filename or 'a file'}: free some space and run again "
+            "(a checkpointed stage resumes where it stopped)"
+        )
     if isinstance(err, RuntimeError) and "PytorchStreamWriter failed writing file" in str(err):
         return "writing a checkpoint failed (is the disk full?): free some space and run again"
     hub_errors = sys.modules.get("huggingface_hub.errors")
-    if hub_errors is not None and isinstance(err, (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled)):
+    if hub_errors is not None and isinstance(
+        err, (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled)
+    ):
         first = next((x.strip() for x in str(err).splitlines() if x.strip()), type(err).__name__)
-        return (f"the Hugging Face Hub cannot be reached and what it was asked for is not in the local cache "
-                f"({first}): download it where the Hub is reachable, or name a local directory")
+        return (
+            f"the Hugging Face Hub cannot be reached and what it was asked for is not in the local cache "
+            f"({first}): download it where the Hub is reachable, or name a local directory"
+        )
     if isinstance(err, FileNotFoundError) and err.filename:
         return f"{err.filename}: no such file or directory"
     return None

@@ -15,9 +15,9 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
 
 log = logging.getLogger(__name__)
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
@@ -57,31 +57,44 @@ def split_command(command: str) -> tuple[dict[str, str], list[str]]:
 
 
 @contextmanager
-def launched_engine(command: str, urls: Sequence[str], log_path: Path, timeout_s: float = 1800.0,
-                    poll_s: float = 1.0) -> Iterator[subprocess.Popen]:
+def launched_engine(
+    command: str, urls: Sequence[str], log_path: Path, timeout_s: float = 1800.0, poll_s: float = 1.0
+) -> Iterator[subprocess.Popen]:
     """Start `command`, wait until every URL in `urls` answers, yield, then stop it
     (SIGTERM to its process group, SIGKILL after 30 s)."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     busy = [u for u in urls if answers(u, timeout=2.0)]
     if busy:
-        raise EngineError(f"data.regenerate.launch: {busy[0]} already answers before the engine was started; "
-                          "stop that server or drop `launch` to use it as it is")
+        raise EngineError(
+            f"data.regenerate.launch: {busy[0]} already answers before the engine was started; "
+            "stop that server or drop `launch` to use it as it is"
+        )
     env, argv = split_command(command)
     log.info("starting the engine: %s (log: %s)", command, log_path)
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env={**os.environ, **env})
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **env},
+        )
     try:
         deadline = time.monotonic() + timeout_s
         waiting = list(urls)
         while waiting:
             if proc.poll() is not None:
-                raise EngineError(f"the engine exited with code {proc.returncode} before answering "
-                                  f"({command}); last lines of {log_path}:\n{_log_tail(log_path)}")
+                raise EngineError(
+                    f"the engine exited with code {proc.returncode} before answering "
+                    f"({command}); last lines of {log_path}:\n{_log_tail(log_path)}"
+                )
             if time.monotonic() > deadline:
-                raise EngineError(f"the engine did not answer at {waiting[0]} within {timeout_s:.0f} s; "
-                                  f"last lines of {log_path}:\n{_log_tail(log_path)}")
+                raise EngineError(
+                    f"the engine did not answer at {waiting[0]} within {timeout_s:.0f} s; "
+                    f"last lines of {log_path}:\n{_log_tail(log_path)}"
+                )
             waiting = [u for u in waiting if not answers(u)]
             if waiting:
                 time.sleep(poll_s)

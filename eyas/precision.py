@@ -42,9 +42,13 @@ class MatmulShapes:
     vocab: int = 49152
     rows: int = 64
 
-    def timed(self) -> "MatmulShapes":
-        return MatmulShapes(self.hidden, self.intermediate, min(self.vocab, MAX_TIMED_VOCAB),
-                            max(1, min(self.rows, MAX_TIMED_ROWS)))
+    def timed(self) -> MatmulShapes:
+        return MatmulShapes(
+            self.hidden,
+            self.intermediate,
+            min(self.vocab, MAX_TIMED_VOCAB),
+            max(1, min(self.rows, MAX_TIMED_ROWS)),
+        )
 
 
 def shapes_of_config(config, rows: int, vocab: int | None = None) -> MatmulShapes:
@@ -52,8 +56,9 @@ def shapes_of_config(config, rows: int, vocab: int | None = None) -> MatmulShape
     `vocab` overrides the LM head's width (a draft vocabulary)."""
     text = getattr(config, "text_config", None) or config
     hidden = int(text.hidden_size)
-    inter = int(getattr(text, "intermediate_size", None) or getattr(text, "moe_intermediate_size", None)
-                or 4 * hidden)
+    inter = int(
+        getattr(text, "intermediate_size", None) or getattr(text, "moe_intermediate_size", None) or 4 * hidden
+    )
     return MatmulShapes(hidden, inter, int(vocab or text.vocab_size), rows)
 
 
@@ -75,8 +80,10 @@ def _cpu_name() -> str:
 
 def _machine_key(shapes: MatmulShapes) -> str:
     s = shapes.timed()
-    return (f"{_cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}|"
-            f"{s.rows}x{s.hidden}x{s.intermediate}+{s.vocab}")
+    return (
+        f"{_cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}|"
+        f"{s.rows}x{s.hidden}x{s.intermediate}+{s.vocab}"
+    )
 
 
 def time_matmuls(dtype: torch.dtype, shapes: MatmulShapes, seconds: float = 0.15) -> float:
@@ -129,19 +136,37 @@ def cpu_bf16_is_faster(shapes: MatmulShapes | None = None) -> bool:
     verdicts = _read_cache()
     known = verdicts.get(key)
     if isinstance(known, dict) and known.get("faster") in ("bfloat16", "float32"):
-        log.info("dtype auto: %s on this CPU (cached: bf16 %.2f ms, float32 %.2f ms for %s)", known["faster"],
-                 known["bfloat16_ms"], known["float32_ms"], known["shapes"])
+        log.info(
+            "dtype auto: %s on this CPU (cached: bf16 %.2f ms, float32 %.2f ms for %s)",
+            known["faster"],
+            known["bfloat16_ms"],
+            known["float32_ms"],
+            known["shapes"],
+        )
         return known["faster"] == "bfloat16"
     # Two alternating rounds, the fastest of each dtype: a neighbour's burst in one round
     # slows one dtype's figure once, not the whole verdict.
-    rounds = [(time_matmuls(torch.bfloat16, shapes, 0.1), time_matmuls(torch.float32, shapes, 0.1)) for _ in range(2)]
+    rounds = [
+        (time_matmuls(torch.bfloat16, shapes, 0.1), time_matmuls(torch.float32, shapes, 0.1))
+        for _ in range(2)
+    ]
     bf16, fp32 = min(r[0] for r in rounds), min(r[1] for r in rounds)
     faster = "bfloat16" if bf16 < fp32 else "float32"
-    verdicts[key] = {"faster": faster, "bfloat16_ms": round(bf16 * 1e3, 3), "float32_ms": round(fp32 * 1e3, 3),
-                     "shapes": asdict(shapes.timed())}
+    verdicts[key] = {
+        "faster": faster,
+        "bfloat16_ms": round(bf16 * 1e3, 3),
+        "float32_ms": round(fp32 * 1e3, 3),
+        "shapes": asdict(shapes.timed()),
+    }
     _write_cache(verdicts)
-    log.info("dtype auto: %s on this CPU (measured: bf16 %.2f ms, float32 %.2f ms for %s; cached in %s)",
-             faster, bf16 * 1e3, fp32 * 1e3, asdict(shapes.timed()), cache_dir() / CACHE_NAME)
+    log.info(
+        "dtype auto: %s on this CPU (measured: bf16 %.2f ms, float32 %.2f ms for %s; cached in %s)",
+        faster,
+        bf16 * 1e3,
+        fp32 * 1e3,
+        asdict(shapes.timed()),
+        cache_dir() / CACHE_NAME,
+    )
     return faster == "bfloat16"
 
 

@@ -8,10 +8,18 @@ in a recipe otherwise silently trains with a default.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 
 # Drafted tokens per step: vLLM verifies K+1 positions per sequence; past a few dozen no
 # head accepts anything, so a larger K is a typo.
@@ -29,12 +37,12 @@ class TargetSection(_Section):
     name_or_path: str = "smollm2-135m"
     # The target's Hub id (ORG/NAME), written into the exported head as its verifier when
     # name_or_path is a local directory: `vllm serve` of a pushed head looks the target up by it.
-    hub_id: Optional[str] = None
+    hub_id: str | None = None
     # auto: bfloat16 on GPUs, and on a CPU where it times faster than float32 (eyas/precision.py)
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    attn_implementation: Optional[str] = None  # None: chosen per architecture
+    attn_implementation: str | None = None  # None: chosen per architecture
     trust_remote_code: bool = False
-    revision: Optional[str] = None
+    revision: str | None = None
     device: str = "auto"
 
 
@@ -61,21 +69,23 @@ class RegenerateSection(_Section):
     # in-flight requests in all, the model name sent (None: the server's own, /v1/models)
     server_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
     concurrency: int = Field(256, ge=1)
-    server_model: Optional[str] = None
+    server_model: str | None = None
     request_timeout_s: float = Field(600.0, gt=0)
     max_retries: int = Field(5, ge=0)
     # A command that starts the engine (e.g. `vllm serve MODEL --host 127.0.0.1 --port
     # 8000`): eyas runs it, waits until every URL answers, regenerates, then stops it.
-    launch: Optional[str] = None
+    launch: str | None = None
     launch_timeout_s: float = Field(1800.0, gt=0)
 
     @model_validator(mode="before")
     @classmethod
     def _no_inprocess_vllm(cls, data):
         if isinstance(data, dict) and data.get("backend") == "vllm":
-            raise ValueError("data.regenerate.backend 'vllm' (vLLM inside eyas's environment) was removed: vLLM "
-                             "pins its own torch and transformers. Use backend: server with `vllm serve` "
-                             "(data.regenerate.launch starts it for you)")
+            raise ValueError(
+                "data.regenerate.backend 'vllm' (vLLM inside eyas's environment) was removed: vLLM "
+                "pins its own torch and transformers. Use backend: server with `vllm serve` "
+                "(data.regenerate.launch starts it for you)"
+            )
         return data
 
 
@@ -87,14 +97,14 @@ class DataSection(_Section):
     # A row with bytes that are not UTF-8: dropped (counted as bad_encoding), or kept with
     # U+FFFD in their place (counted as repaired bad_encoding_replaced).
     bad_encoding: Literal["drop", "replace"] = "drop"
-    max_samples: Optional[int] = Field(None, ge=1)
+    max_samples: int | None = Field(None, ge=1)
     max_length: int = Field(2048, ge=2)
     # A rendered sample longer than max_length: dropped (counted as over_length), or cut to
     # its first max_length tokens (counted as truncated_to_max_length; dropped when no
     # trained token is left).
     over_length: Literal["drop", "truncate"] = "drop"
     train_on: Literal["all", "last"] = "all"  # which assistant turns carry loss
-    max_turns: Optional[int] = Field(None, ge=1)  # keep at most this many assistant turns per conversation
+    max_turns: int | None = Field(None, ge=1)  # keep at most this many assistant turns per conversation
     # Drop a conversation that repeats an earlier one (after max_turns; with regeneration,
     # its user and system turns: the replies are the target's anyway). ShareGPT repeats
     # ~6% of its first 5,000 prompts ("continue", "hi", the same question asked twice).
@@ -102,7 +112,7 @@ class DataSection(_Section):
     eval_fraction: float = Field(0.02, ge=0, lt=1)  # 1 would leave nothing to train on
     regenerate: RegenerateSection = Field(default_factory=RegenerateSection)
     features: Literal["offline", "online"] = "offline"  # capture cache, or target on the fly
-    aux_layer_ids: Optional[list[NonNegativeInt]] = None  # None: (2, L//2, L-3)
+    aux_layer_ids: list[NonNegativeInt] | None = None  # None: (2, L//2, L-3)
     cache_dtype: Literal["bf16", "fp8"] = "bf16"
     shard_tokens: int = Field(262_144, ge=1)
     capture_batch_tokens: int = Field(8192, ge=1)
@@ -115,20 +125,20 @@ class HeadSection(_Section):
     algorithm: Literal["eagle3", "peagle"] = "eagle3"
     num_layers: int = Field(1, ge=1)
     draft_vocab_size: int = Field(32_000, ge=1)
-    hidden_size: Optional[PositiveInt] = None  # None: the target's
-    intermediate_size: Optional[PositiveInt] = None
-    num_attention_heads: Optional[PositiveInt] = None
-    num_key_value_heads: Optional[PositiveInt] = None
-    head_dim: Optional[PositiveInt] = None
+    hidden_size: PositiveInt | None = None  # None: the target's
+    intermediate_size: PositiveInt | None = None
+    num_attention_heads: PositiveInt | None = None
+    num_key_value_heads: PositiveInt | None = None
+    head_dim: PositiveInt | None = None
     norm_before_residual: bool = False
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
-    mask_token_id: Optional[NonNegativeInt] = None  # P-EAGLE only
+    mask_token_id: NonNegativeInt | None = None  # P-EAGLE only
     speculative_tokens: int = Field(5, ge=1, le=MAX_K)  # K written into the serving config
 
     @model_validator(mode="after")
-    def _exclusive_norms(self) -> "HeadSection":
+    def _exclusive_norms(self) -> HeadSection:
         if self.fc_norm and self.norm_before_fc:
             raise ValueError("head.fc_norm and head.norm_before_fc exclude each other")
         return self
@@ -142,14 +152,14 @@ class TrainSection(_Section):
     # holding an eyas checkpoint, an export or a published head. Its architecture and draft
     # vocabulary are kept (recipe head fields that contradict them are refused); the
     # optimizer and the warmup start afresh. An EAGLE-3 head may start a P-EAGLE one.
-    init_from: Optional[str] = None
-    init_from_revision: Optional[str] = None
+    init_from: str | None = None
+    init_from_revision: str | None = None
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     freeze_lm_head: bool = False  # keep the LM head rows copied from the target
     betas: tuple[Beta, Beta] = (0.9, 0.95)
     warmup_steps: int = Field(100, ge=0)
-    max_steps: Optional[int] = Field(None, ge=1)  # None: epochs decide
+    max_steps: int | None = Field(None, ge=1)  # None: epochs decide
     epochs: float = Field(1.0, gt=0)
     batch_tokens: int = Field(8192, ge=1)  # tokens per micro-batch (length-bucketed)
     max_batch_size: int = Field(64, ge=1)
@@ -170,7 +180,7 @@ class TrainSection(_Section):
     num_depths: int = Field(8, ge=1)
     cod_r: float = Field(0.8, gt=0, le=1)
     cod_r_min: float = Field(0.2, ge=0, le=1)
-    segment_length: Optional[PositiveInt] = None
+    segment_length: PositiveInt | None = None
     eval_every: int = Field(500, ge=0)  # 0: only at the end
     save_every: int = Field(500, ge=0)  # 0: only the final checkpoint
     keep_checkpoints: int = Field(2, ge=0)  # 0: keep every checkpoint
@@ -178,9 +188,11 @@ class TrainSection(_Section):
     logger: Literal["tensorboard", "wandb", "jsonl", "none"] = "jsonl"
     max_nonfinite_steps: int = Field(5, ge=0)
     num_workers: int = Field(0, ge=0)
-    eval_batches: Optional[PositiveInt] = None  # cap on eval micro-batches per evaluation (None: the whole split)
+    eval_batches: PositiveInt | None = (
+        None  # cap on eval micro-batches per evaluation (None: the whole split)
+    )
     resume: bool = True  # continue from the newest checkpoint in run_dir/checkpoints
-    cpu_threads: Optional[PositiveInt] = None  # torch intra-op threads on CPU (None: torch's default)
+    cpu_threads: PositiveInt | None = None  # torch intra-op threads on CPU (None: torch's default)
     # The soft cross-entropy kernels through torch.compile (a C++ toolchain on CPU). auto:
     # on CPU, once its rows are big enough to repay a ~10-30 s first compile; eager on a
     # compile failure. on: on any device. off: eager.
@@ -189,7 +201,7 @@ class TrainSection(_Section):
 
 class ExportSection(_Section):
     format: Literal["speculators", "eagle"] = "speculators"
-    repo_id: Optional[str] = None
+    repo_id: str | None = None
     private: bool = False
 
 
@@ -197,12 +209,12 @@ class EvalSection(_Section):
     workload: str = "mtbench"
     # The target's dtype while evaluating (None: target.dtype). float32 makes the lossless
     # check exact, and on CPUs batch-1 decoding is faster in float32 than in bfloat16.
-    dtype: Optional[Literal["auto", "bfloat16", "float16", "float32"]] = None
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] | None = None
     k: int = Field(5, ge=1, le=MAX_K)
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0)
-    max_prompts: Optional[PositiveInt] = None
-    baseline: Optional[Literal["ngram"]] = "ngram"
+    max_prompts: PositiveInt | None = None
+    baseline: Literal["ngram"] | None = "ngram"
     ngram_min: int = Field(5, ge=1)  # vLLM's prompt_lookup_min / _max defaults
     ngram_max: int = Field(5, ge=1)
     # False: beside a head, under greedy, the baseline is replayed over the plain greedy
@@ -212,7 +224,7 @@ class EvalSection(_Section):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _ngram_window(self) -> "EvalSection":
+    def _ngram_window(self) -> EvalSection:
         if self.ngram_max < self.ngram_min:
             raise ValueError(f"eval.ngram_max ({self.ngram_max}) is below eval.ngram_min ({self.ngram_min})")
         return self
@@ -231,17 +243,21 @@ class Recipe(_Section):
     eval: EvalSection = Field(default_factory=EvalSection)
 
     @model_validator(mode="after")
-    def _copy_attention_is_eagle3(self) -> "Recipe":
+    def _copy_attention_is_eagle3(self) -> Recipe:
         if self.train.copy_attention_weight and self.head.algorithm != "eagle3":
-            raise ValueError(f"train.copy_attention_weight supervises the EAGLE-3 head's attention; "
-                             f"head.algorithm {self.head.algorithm!r} does not use it (set it to 0)")
+            raise ValueError(
+                f"train.copy_attention_weight supervises the EAGLE-3 head's attention; "
+                f"head.algorithm {self.head.algorithm!r} does not use it (set it to 0)"
+            )
         if self.train.copy_attention_steps > self.train.ttt_steps:
-            raise ValueError(f"train.copy_attention_steps ({self.train.copy_attention_steps}) exceeds "
-                             f"train.ttt_steps ({self.train.ttt_steps}): there is no attention to supervise there")
+            raise ValueError(
+                f"train.copy_attention_steps ({self.train.copy_attention_steps}) exceeds "
+                f"train.ttt_steps ({self.train.ttt_steps}): there is no attention to supervise there"
+            )
         return self
 
     @property
-    def paths(self) -> "RunPaths":
+    def paths(self) -> RunPaths:
         return RunPaths(Path(self.run_dir))
 
 

@@ -1,7 +1,7 @@
 """One writer per run directory: the stage that writes a run dir's data (prepare, capture,
 train) holds an exclusive lock on `run_dir/.eyas.lock` (flock, released by the kernel when
-the process ends, however it ends), so a second `eyas train` or `capture` on the same run is refused instead of
-deleting the first one's temporary files. Under `accelerate launch` rank 0 holds it for
+the process ends, however it ends), so a second `eyas train` or `capture` on the same run
+is refused instead of deleting the first one's temporary files. Under `accelerate launch` rank 0 holds it for
 the whole launch."""
 
 from __future__ import annotations

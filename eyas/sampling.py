@@ -21,7 +21,9 @@ def argmax_rows(x: torch.Tensor, block: int = 128) -> torch.Tensor:
     return first_block * block + inside
 
 
-def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float = 1.0, generator=None) -> torch.Tensor:
+def sample_tokens(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, generator=None
+) -> torch.Tensor:
     """logits [B, V] -> token ids [B]: the argmax at temperature 0, else a sample of
     softmax(logits / temperature), restricted to the nucleus of mass `top_p` when < 1."""
     if temperature <= 0:

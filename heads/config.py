@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -44,28 +44,34 @@ class DraftHeadConfig(BaseModel):
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
-    mask_token_id: Optional[int] = None
+    mask_token_id: int | None = None
     speculative_tokens: int = 5
     target_model_type: str = "llama"
     target_architectures: list[str] = ["LlamaForCausalLM"]
-    verifier_name_or_path: Optional[str] = None
+    verifier_name_or_path: str | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "DraftHeadConfig":
+    def _check(self) -> DraftHeadConfig:
         ids = self.aux_layer_ids
         if not ids or any(b <= a for a, b in zip(ids, ids[1:])):
             raise ValueError(f"aux_layer_ids must be non-empty and strictly ascending, got {ids}")
         # id i is the input of decoder layer i; id L (after the last layer) is pre-norm in
         # vLLM but post-norm in HF, so it is refused rather than silently trained wrong.
         if ids[0] < 0 or ids[-1] >= self.target_num_layers:
-            raise ValueError(f"aux_layer_ids {ids} must lie in 0..{self.target_num_layers - 1} (the target's layer inputs)")
+            raise ValueError(
+                f"aux_layer_ids {ids} must lie in 0..{self.target_num_layers - 1} (the target's layer inputs)"
+            )
         if self.fc_norm and self.norm_before_fc:
             raise ValueError("fc_norm and norm_before_fc exclude each other")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..vocab_size={self.vocab_size}")
+            raise ValueError(
+                f"draft_vocab_size {self.draft_vocab_size} must be in 1..vocab_size={self.vocab_size}"
+            )
         if self.algorithm == "peagle":
             if self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size:
-                raise ValueError(f"a P-EAGLE head needs a mask_token_id inside the vocabulary, got {self.mask_token_id}")
+                raise ValueError(
+                    f"a P-EAGLE head needs a mask_token_id inside the vocabulary, got {self.mask_token_id}"
+                )
         return self
 
     @property
@@ -89,7 +95,7 @@ class DraftHeadConfig(BaseModel):
         Path(path).write_text(json.dumps(self.model_dump(mode="json"), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "DraftHeadConfig":
+    def load(cls, path: str | Path) -> DraftHeadConfig:
         return cls.model_validate_json(Path(path).read_text())
 
 
@@ -142,7 +148,9 @@ def head_config_from_target(
         aux_layer_ids=list(aux_layer_ids),
         target_num_layers=text_cfg.num_hidden_layers,
         target_model_type=text_cfg.model_type,
-        target_architectures=list(architectures or getattr(text_cfg, "architectures", None) or ["LlamaForCausalLM"]),
+        target_architectures=list(
+            architectures or getattr(text_cfg, "architectures", None) or ["LlamaForCausalLM"]
+        ),
         verifier_name_or_path=verifier_name_or_path,
         **options,
     )

@@ -34,7 +34,9 @@ class Eagle3Head(nn.Module):
         if config.norm_before_fc:
             self.input_norm = RMSNorm(n * ht, config.rms_norm_eps)
         self.fc = nn.Linear(n * ht, h, bias=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, first=i == 0) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, first=i == 0) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         if config.uses_vocab_map:
@@ -73,7 +75,9 @@ class Eagle3Head(nn.Module):
         return draft_ids + self.d2t[draft_ids] if self.config.uses_vocab_map else draft_ids
 
     @torch.no_grad()
-    def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor, final_norm: torch.Tensor | None = None) -> None:
+    def init_from_target(
+        self, embed: torch.Tensor, lm_head: torch.Tensor, final_norm: torch.Tensor | None = None
+    ) -> None:
         """Copy the target's embedding `[Vt, Ht]`, its `lm_head` rows of the draft
         vocabulary `[Vt, Ht] -> [Vd, H]` and its final norm (when H == Ht)."""
         if self.config.hidden_size != self.config.target_hidden_size:
@@ -114,7 +118,9 @@ class Eagle3Head(nn.Module):
     # --- drafting -------------------------------------------------------------------
 
     @torch.no_grad()
-    def draft(self, cache: HeadCache, tokens, aux, positions, k: int, temperature: float = 0.0, generator=None):
+    def draft(
+        self, cache: HeadCache, tokens, aux, positions, k: int, temperature: float = 0.0, generator=None
+    ):
         """Chain drafting, one head step per draft token.
 
         `tokens/aux/positions` `[B, n]` are the step-0 entries committed since the last

@@ -45,8 +45,9 @@ class _ExplicitAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None
 
 
-def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                       scale: float) -> torch.Tensor:
+def explicit_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
     """softmax(q kᵀ · scale + bias) v with grouped-query heads.
 
     q [B, H, Tq, d]; k, v [B, Hkv, Tk, d] with H a multiple of Hkv (query head h reads kv

@@ -26,7 +26,9 @@ from safetensors.torch import load_file, save_file
 
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
-from eyas.heads.io import CONFIG_NAME as EYAS_CONFIG, WEIGHTS_NAME as EYAS_WEIGHTS, head_state_dict
+from eyas.heads.io import CONFIG_NAME as EYAS_CONFIG
+from eyas.heads.io import WEIGHTS_NAME as EYAS_WEIGHTS
+from eyas.heads.io import head_state_dict
 
 ExportFormat = Literal["speculators", "eagle"]
 CONFIG_NAME = "config.json"
@@ -93,7 +95,9 @@ def _eyas_block(cfg: DraftHeadConfig, ships_embedding: bool) -> dict:
     }
 
 
-def speculators_config_dict(cfg: DraftHeadConfig, verifier: str | None = None, ships_embedding: bool = False) -> dict:
+def speculators_config_dict(
+    cfg: DraftHeadConfig, verifier: str | None = None, ships_embedding: bool = False
+) -> dict:
     """config.json of the speculators layout (DESIGN §5)."""
     verifier = verifier or cfg.verifier_name_or_path
     if not verifier:
@@ -113,12 +117,14 @@ def speculators_config_dict(cfg: DraftHeadConfig, verifier: str | None = None, s
         out["ptd_token_id"] = cfg.mask_token_id  # vLLM 0.16 reads only this name
     out["speculators_config"] = {
         "algorithm": cfg.algorithm,
-        "proposal_methods": [{
-            "proposal_type": "greedy",
-            "speculative_tokens": cfg.speculative_tokens,
-            "verifier_accept_k": 1,
-            "accept_tolerance": 0.0,
-        }],
+        "proposal_methods": [
+            {
+                "proposal_type": "greedy",
+                "speculative_tokens": cfg.speculative_tokens,
+                "verifier_accept_k": 1,
+                "accept_tolerance": 0.0,
+            }
+        ],
         "default_proposal_method": "greedy",
         "verifier": {"name_or_path": verifier, "architectures": list(cfg.target_architectures)},
     }
@@ -126,27 +132,34 @@ def speculators_config_dict(cfg: DraftHeadConfig, verifier: str | None = None, s
     return out
 
 
-def eagle_config_dict(cfg: DraftHeadConfig, verifier: str | None = None, ships_embedding: bool = False) -> dict:
+def eagle_config_dict(
+    cfg: DraftHeadConfig, verifier: str | None = None, ships_embedding: bool = False
+) -> dict:
     """config.json of the original EAGLE-3 layout (a flat llama config)."""
     out = transformer_layer_config(cfg)
     out["architectures"] = [EAGLE_ARCHITECTURE]
-    out.update({
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        **_head_options(cfg),
-        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-        "eagle_config": {
+    out.update(
+        {
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "target_hidden_size": cfg.target_hidden_size,
+            **_head_options(cfg),
             "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-            "use_aux_hidden_state": True,
-            **({"norm_before_fc": True} if cfg.norm_before_fc else {}),
-        },
-    })
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+                "use_aux_hidden_state": True,
+                **({"norm_before_fc": True} if cfg.norm_before_fc else {}),
+            },
+        }
+    )
     if cfg.algorithm == "peagle":
         out.update(mask_token_id=cfg.mask_token_id, ptd_token_id=cfg.mask_token_id)
     eyas = _eyas_block(cfg, ships_embedding)
-    eyas.update(algorithm=cfg.algorithm, speculative_tokens=cfg.speculative_tokens,
-                verifier_name_or_path=verifier or cfg.verifier_name_or_path,
-                target_architectures=list(cfg.target_architectures))
+    eyas.update(
+        algorithm=cfg.algorithm,
+        speculative_tokens=cfg.speculative_tokens,
+        verifier_name_or_path=verifier or cfg.verifier_name_or_path,
+        target_architectures=list(cfg.target_architectures),
+    )
     out["eyas"] = eyas
     return out
 
@@ -174,7 +187,7 @@ def export_tensors(
         elif t.is_floating_point() and dtype is not None:
             t = t.to(dtype)
         if fmt == "eagle" and cfg.num_hidden_layers == 1 and name.startswith("layers.0."):
-            name = "midlayer." + name[len("layers.0."):]
+            name = "midlayer." + name[len("layers.0.") :]
         out[name] = t.detach().cpu().contiguous()
     return out
 
@@ -194,7 +207,10 @@ def write_export(
     ships_embedding = "embed_tokens.weight" in state
     if cfg.trains_embedding or cfg.hidden_size != cfg.target_hidden_size:
         if not ships_embedding:
-            raise ValueError("this head's embedding must ship (P-EAGLE, or H != Ht) but the state has no embed_tokens.weight")
+            raise ValueError(
+                "this head's embedding must ship (P-EAGLE, or H != Ht) but the state has no "
+                "embed_tokens.weight"
+            )
     make = speculators_config_dict if fmt == "speculators" else eagle_config_dict
     config = make(cfg, verifier, ships_embedding)
     tensors = export_tensors(cfg, state, dtype, fmt)

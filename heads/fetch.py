@@ -9,7 +9,6 @@ as a local pickle-only directory is (`heads/head_weights.py`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from eyas.heads.export import ExportFormatError
 from eyas.hub_ids import looks_like_hub_id
@@ -17,13 +16,15 @@ from eyas.hub_ids import looks_like_hub_id
 HEAD_PATTERNS = ["*.json", "*.safetensors"]
 
 
-def fetch_head(name_or_path: str, revision: Optional[str] = None, cache_dir: Optional[str] = None) -> Path:
+def fetch_head(name_or_path: str, revision: str | None = None, cache_dir: str | None = None) -> Path:
     """The local directory of a head: `name_or_path` itself when it exists, else the
     snapshot of that Hub repo (the Hugging Face cache; HF_HUB_OFFLINE reads only it)."""
     local = Path(name_or_path).expanduser()
     if local.exists():
         if not local.is_dir():
-            raise ExportFormatError(f"{local} is a file; a head is a directory (config.json + model.safetensors)")
+            raise ExportFormatError(
+                f"{local} is a file; a head is a directory (config.json + model.safetensors)"
+            )
         return local
     if not looks_like_hub_id(name_or_path):
         raise ExportFormatError(f"{name_or_path}: no such head directory (a Hub head is named org/name)")
@@ -31,16 +32,24 @@ def fetch_head(name_or_path: str, revision: Optional[str] = None, cache_dir: Opt
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        path = Path(snapshot_download(name_or_path, revision=revision, allow_patterns=HEAD_PATTERNS,
-                                      cache_dir=cache_dir))
+        path = Path(
+            snapshot_download(
+                name_or_path, revision=revision, allow_patterns=HEAD_PATTERNS, cache_dir=cache_dir
+            )
+        )
     except RepositoryNotFoundError:
-        raise ExportFormatError(f"{name_or_path}: no such model repo on the Hub (or it is private: log in with "
-                                "`hf auth login`)") from None
+        raise ExportFormatError(
+            f"{name_or_path}: no such model repo on the Hub (or it is private: log in with `hf auth login`)"
+        ) from None
     except LocalEntryNotFoundError as err:
-        raise ExportFormatError(f"{name_or_path}: not in the local Hugging Face cache and the Hub cannot be reached "
-                                f"({str(err).splitlines()[0]})") from None
+        raise ExportFormatError(
+            f"{name_or_path}: not in the local Hugging Face cache and the Hub cannot be reached "
+            f"({str(err).splitlines()[0]})"
+        ) from None
     except HfHubHTTPError as err:
-        raise ExportFormatError(f"{name_or_path}: the Hub refused the download: {str(err).splitlines()[0]}") from None
+        raise ExportFormatError(
+            f"{name_or_path}: the Hub refused the download: {str(err).splitlines()[0]}"
+        ) from None
     if not any(path.glob("*.safetensors")):
         try:
             remote = HfApi().list_repo_files(name_or_path, revision=revision)
@@ -48,7 +57,10 @@ def fetch_head(name_or_path: str, revision: Optional[str] = None, cache_dir: Opt
             remote = []
         if any(name.endswith(".bin") for name in remote):
             raise ExportFormatError(
-                f"{name_or_path} ships its weights only as a pickle (pytorch_model.bin); eyas reads safetensors. "
-                f"Download it (`hf download {name_or_path} --local-dir DIR`), convert it once with the command "
-                "`eyas export --check DIR` prints, and pass DIR")
+                f"{name_or_path} ships its weights only as a pickle (pytorch_model.bin); eyas reads "
+                f"safetensors. "
+                f"Download it (`hf download {name_or_path} --local-dir DIR`), convert it once with the "
+                f"command "
+                "`eyas export --check DIR` prints, and pass DIR"
+            )
     return path

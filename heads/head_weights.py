@@ -17,10 +17,14 @@ PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def pickle_refusal(d: Path) -> str:
-    return (f"{d} holds its weights only as a pickle ({', '.join(n for n in PICKLE_WEIGHTS if (d / n).is_file())}); "
-            f"eyas and vLLM's safetensors path read {WEIGHTS_NAME}. Convert it once (weights only, no code runs): "
-            f"python -c \"import torch; from safetensors.torch import save_file; "
-            f"save_file(torch.load('{d / 'pytorch_model.bin'}', weights_only=True), '{d / WEIGHTS_NAME}')\"")
+    return (
+        f"{d} holds its weights only as a pickle "
+        f"({', '.join(n for n in PICKLE_WEIGHTS if (d / n).is_file())}); "
+        f"eyas and vLLM's safetensors path read {WEIGHTS_NAME}. Convert it once (weights only, no code "
+        f"runs): "
+        f'python -c "import torch; from safetensors.torch import save_file; '
+        f"save_file(torch.load('{d / 'pytorch_model.bin'}', weights_only=True), '{d / WEIGHTS_NAME}')\""
+    )
 
 
 def weight_files(d: Path) -> list[Path]:
@@ -59,7 +63,7 @@ def read_tensors(head_dir: str | Path) -> dict[str, torch.Tensor]:
 def canonical_tensor_name(name: str) -> str:
     """The EAGLE layout's `midlayer.*` (layer 0, also beside `layers.1..` in amazon's
     P-EAGLE heads) is the speculators `layers.0.*`."""
-    return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
+    return "layers.0." + name[len("midlayer.") :] if name.startswith("midlayer.") else name
 
 
 def canonical_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -42,7 +42,9 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """positions [B, T] -> cos, sin [B, 1, T, head_dim] (rotate-half layout, as Llama)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    )
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
@@ -138,7 +140,9 @@ class TTTMask:
             rows = torch.arange(i0, i1, device=device)[:, None]
             step0 = torch.arange(i1, device=device)[None, :] <= rows  # [c, i1]
             if not self.right_padded:
-                step0 = step0[None] & (self.real[:, None, :i1] | (torch.arange(i1, device=device) == rows)[None])
+                step0 = step0[None] & (
+                    self.real[:, None, :i1] | (torch.arange(i1, device=device) == rows)[None]
+                )
             else:
                 step0 = step0[None]
             eye = torch.eye(i1 - i0, dtype=torch.bool, device=device).expand(step0.shape[0], -1, -1)
@@ -166,17 +170,28 @@ def _ttt_attention(q, cache: LayerCache, mask: TTTMask, scale: float) -> torch.T
     gqa = q.shape[1] != cache.k[0].shape[1]
     on_cpu = q.device.type == "cpu"
     if k == 0 and mask.right_padded and not on_cpu:
-        return F.scaled_dot_product_attention(q, cache.k[0], cache.v[0], scale=scale, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, cache.k[0], cache.v[0], scale=scale, is_causal=True, enable_gqa=gqa
+        )
     outs = []
     for i0, i1 in mask.blocks():
         keys = torch.cat([cache.k[0][:, :, :i1]] + [c[:, :, i0:i1] for c in cache.k[1:]], dim=2)
         values = torch.cat([cache.v[0][:, :, :i1]] + [c[:, :, i0:i1] for c in cache.v[1:]], dim=2)
         if on_cpu:
-            outs.append(explicit_attention(q[:, :, i0:i1], keys, values, mask.bias_for_block(k, i0, i1), scale))
+            outs.append(
+                explicit_attention(q[:, :, i0:i1], keys, values, mask.bias_for_block(k, i0, i1), scale)
+            )
         else:
-            outs.append(F.scaled_dot_product_attention(q[:, :, i0:i1], keys, values,
-                                                       attn_mask=mask.for_block(k, i0, i1), scale=scale,
-                                                       enable_gqa=gqa))
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, i0:i1],
+                    keys,
+                    values,
+                    attn_mask=mask.for_block(k, i0, i1),
+                    scale=scale,
+                    enable_gqa=gqa,
+                )
+            )
     return torch.cat(outs, dim=2)
 
 
@@ -218,7 +233,11 @@ class Attention(nn.Module):
                 if mask is None and t > 1 and keys.shape[2] > t:
                     mask = prefix_causal_mask(t, keys.shape[2], x.device)
                 out = F.scaled_dot_product_attention(
-                    q, keys, values, attn_mask=mask, scale=scale,
+                    q,
+                    keys,
+                    values,
+                    attn_mask=mask,
+                    scale=scale,
                     is_causal=mask is None and t > 1,
                     enable_gqa=self.num_heads != self.num_kv_heads,
                 )
@@ -260,14 +279,18 @@ def flex_block_attention(q, keys, values, block_mask, scale: float, gqa: bool) -
     options = None if _flex_options_failed else flex_kernel_options(q)
     if options is not None:
         try:
-            return _compiled_flex_attention()(q, keys, values, block_mask=block_mask, scale=scale,
-                                              enable_gqa=gqa, kernel_options=options)
+            return _compiled_flex_attention()(
+                q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=gqa, kernel_options=options
+            )
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as err:
             _flex_options_failed.append(f"{type(err).__name__}: {err}")
-            log.warning("flex attention refused kernel options %s; using torch's own: %s", options,
-                        _flex_options_failed[0][:500])
+            log.warning(
+                "flex attention refused kernel options %s; using torch's own: %s",
+                options,
+                _flex_options_failed[0][:500],
+            )
     return _compiled_flex_attention()(q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
 

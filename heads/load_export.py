@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -26,20 +25,34 @@ log = logging.getLogger(__name__)
 def config_from_fields(f: dict) -> DraftHeadConfig:
     """A `DraftHeadConfig` from the fields `read_head_dir` normalised (no problems left)."""
     return DraftHeadConfig(
-        algorithm=f["algo"], hidden_size=f["h"], target_hidden_size=f["ht"], num_attention_heads=f["heads"],
-        num_key_value_heads=f["kv"], head_dim=f["hd"], intermediate_size=f["inter"], num_hidden_layers=f["layers"],
-        rms_norm_eps=f["rms_norm_eps"], rope_theta=f["rope_theta"],
-        max_position_embeddings=f["max_position_embeddings"], vocab_size=f["vt"], draft_vocab_size=f["vd"],
-        aux_layer_ids=list(f["aux"]), target_num_layers=f["target_num_layers"],
-        norm_before_residual=f["norm_before_residual"], norm_before_fc=f["before_fc"], fc_norm=f["fc_norm"],
-        norm_output=f["norm_output"], mask_token_id=f["mask_id"], speculative_tokens=f["k"] or 5,
+        algorithm=f["algo"],
+        hidden_size=f["h"],
+        target_hidden_size=f["ht"],
+        num_attention_heads=f["heads"],
+        num_key_value_heads=f["kv"],
+        head_dim=f["hd"],
+        intermediate_size=f["inter"],
+        num_hidden_layers=f["layers"],
+        rms_norm_eps=f["rms_norm_eps"],
+        rope_theta=f["rope_theta"],
+        max_position_embeddings=f["max_position_embeddings"],
+        vocab_size=f["vt"],
+        draft_vocab_size=f["vd"],
+        aux_layer_ids=list(f["aux"]),
+        target_num_layers=f["target_num_layers"],
+        norm_before_residual=f["norm_before_residual"],
+        norm_before_fc=f["before_fc"],
+        fc_norm=f["fc_norm"],
+        norm_output=f["norm_output"],
+        mask_token_id=f["mask_id"],
+        speculative_tokens=f["k"] or 5,
         target_model_type=f["target_model_type"],
         target_architectures=list(f["target_architectures"] or ["LlamaForCausalLM"]),
         verifier_name_or_path=f["verifier"],
     )
 
 
-def export_config(head_dir: str | Path, target: Optional[TargetFacts] = None) -> DraftHeadConfig:
+def export_config(head_dir: str | Path, target: TargetFacts | None = None) -> DraftHeadConfig:
     """The head config of an export directory, from its config.json alone (no tensors)."""
     hd = read_head_dir(head_dir, target)
     if hd.problems:
@@ -66,7 +79,7 @@ def load_exported_head(
     target_embed: torch.Tensor | None = None,
     device="cpu",
     dtype: torch.dtype | None = None,
-    target: Optional[TargetFacts] = None,
+    target: TargetFacts | None = None,
 ) -> Eagle3Head:
     """An `Eagle3Head` / `PEagleHead` from a speculators or EAGLE-format directory, read
     as `eyas export --check` reads it (a head it reports problems with is refused, with
@@ -89,9 +102,13 @@ def load_exported_head(
     has_embed = "embed_tokens.weight" in state
     if not has_embed:
         if head.trains_embedding:
-            raise ExportFormatError(f"{head_dir}: this head needs its own embed_tokens.weight and the file has none")
+            raise ExportFormatError(
+                f"{head_dir}: this head needs its own embed_tokens.weight and the file has none"
+            )
         if target_embed is None:
-            raise ValueError(f"{head_dir}: the head shares the target's embedding; pass target_embed [Vt, Ht]")
+            raise ValueError(
+                f"{head_dir}: the head shares the target's embedding; pass target_embed [Vt, Ht]"
+            )
         state["embed_tokens.weight"] = target_embed.to(float_dtype)
     if not cfg.uses_vocab_map:
         state.pop("d2t", None)
@@ -99,7 +116,9 @@ def load_exported_head(
     state = {k: (v.to(float_dtype) if v.is_floating_point() else v) for k, v in state.items()}
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ExportFormatError(f"{head_dir}: missing tensors {sorted(missing)}, unexpected tensors {sorted(unexpected)}")
+        raise ExportFormatError(
+            f"{head_dir}: missing tensors {sorted(missing)}, unexpected tensors {sorted(unexpected)}"
+        )
     head.embedding_in_export = has_embed
     return head.to(device)
 
@@ -109,7 +128,7 @@ def load_any_head(
     target_embed: torch.Tensor | None = None,
     device="cpu",
     dtype: torch.dtype | None = None,
-    target: Optional[TargetFacts] = None,
+    target: TargetFacts | None = None,
 ) -> Eagle3Head:
     """Load an eyas checkpoint, a speculators export or an EAGLE-format export."""
     if detect_format(head_dir) == "eyas":

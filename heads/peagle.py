@@ -11,8 +11,8 @@ from torch import nn
 
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
-from eyas.sampling import sample_tokens
 from eyas.heads.layers import HeadCache
+from eyas.sampling import sample_tokens
 
 
 class PEagleHead(Eagle3Head):
@@ -27,7 +27,9 @@ class PEagleHead(Eagle3Head):
     def init_from_target(self, embed, lm_head, final_norm=None) -> None:
         super().init_from_target(embed, lm_head, final_norm)
         # Start the mask row at the mean embedding: a neutral token the layers can read.
-        self.embed_tokens.weight[self.config.mask_token_id] = embed.float().mean(0).to(self.embed_tokens.weight)
+        self.embed_tokens.weight[self.config.mask_token_id] = (
+            embed.float().mean(0).to(self.embed_tokens.weight)
+        )
 
     def mask_slot_inputs(self, batch: int, depth: int, device):
         """Token ids `[batch, depth]` (the mask id) and fc inputs `[batch, depth, n·Ht]`."""
@@ -35,7 +37,9 @@ class PEagleHead(Eagle3Head):
         return ids, self.mask_hidden.expand(batch, depth, -1)
 
     @torch.no_grad()
-    def draft(self, cache: HeadCache, tokens, aux, positions, k: int, temperature: float = 0.0, generator=None):
+    def draft(
+        self, cache: HeadCache, tokens, aux, positions, k: int, temperature: float = 0.0, generator=None
+    ):
         """One-pass drafting of k tokens; same contract as `Eagle3Head.draft`."""
         b, n = tokens.shape
         base = cache.length + n
@@ -45,20 +49,22 @@ class PEagleHead(Eagle3Head):
         all_aux = torch.cat([aux.to(mask_aux.dtype), mask_aux], dim=1)
         all_pos = torch.cat([positions, positions[:, -1:] + steps], dim=1)
         logits, _ = self.forward_step(all_tokens, self.combine_aux(all_aux), all_pos, cache)
-        logits = logits[:, n - 1:]
+        logits = logits[:, n - 1 :]
         cache.crop(base)
         flat = sample_tokens(logits.reshape(b * k, -1), temperature, generator=generator).view(b, k)
         return self.to_target_ids(flat), logits
 
 
-def choose_mask_token_id(tokenizer, vocab_size: int, explicit: int | None = None,
-                         token_freqs: torch.Tensor | None = None) -> int:
+def choose_mask_token_id(
+    tokenizer, vocab_size: int, explicit: int | None = None, token_freqs: torch.Tensor | None = None
+) -> int:
     """The token id whose embedding row P-EAGLE trains as its mask slot, in this order:
     `explicit` (the recipe's head.mask_token_id); the tokenizer's mask token; the first
     embedding row past the tokenizer (an id no text produces); a token named "reserved";
     an added token that is not one of the tokenizer's named special tokens (the rarest in
     `token_freqs` [Vt] when given, else the highest id); the rarest id in `token_freqs`.
     Raises ValueError when none applies: then the recipe must name one."""
+
     def check(i: int, what: str) -> int:
         if not 0 <= int(i) < vocab_size:
             raise ValueError(f"{what} mask_token_id {i} lies outside the target vocabulary [0, {vocab_size})")
@@ -90,8 +96,10 @@ def choose_mask_token_id(tokenizer, vocab_size: int, explicit: int | None = None
             return rarest(spare)
     if token_freqs is not None:
         return rarest(list(range(vocab_size)))
-    raise ValueError("cannot choose a P-EAGLE mask token: the tokenizer has no mask, unused or reserved token; "
-                     "set head.mask_token_id in the recipe")
+    raise ValueError(
+        "cannot choose a P-EAGLE mask token: the tokenizer has no mask, unused or reserved token; "
+        "set head.mask_token_id in the recipe"
+    )
 
 
 def build_head(config: DraftHeadConfig) -> Eagle3Head:

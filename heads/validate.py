@@ -9,7 +9,6 @@ finds (not only the first).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -37,13 +36,19 @@ def expected_shapes(f: dict) -> dict[str, tuple[int, ...]]:
     for i in range(f["layers"]):
         width = 2 * h if i == 0 else h
         p = f"layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, width), p + "self_attn.k_proj.weight": (kv, width),
-            p + "self_attn.v_proj.weight": (kv, width), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (f["inter"], h), p + "mlp.up_proj.weight": (f["inter"], h),
-            p + "mlp.down_proj.weight": (h, f["inter"]),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, width),
+                p + "self_attn.k_proj.weight": (kv, width),
+                p + "self_attn.v_proj.weight": (kv, width),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (f["inter"], h),
+                p + "mlp.up_proj.weight": (f["inter"], h),
+                p + "mlp.down_proj.weight": (h, f["inter"]),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
         if i == 0:
             shapes[p + "hidden_norm.weight"] = (h,)
     if vd != vt:
@@ -73,9 +78,15 @@ def _check_tensors(tensors: dict[str, torch.Tensor], f: dict, problems: list[str
         if name.startswith("model."):
             problems.append(f"unexpected tensor {name}: names must not carry a 'model.' prefix")
         elif name in ("d2t", "t2d") and f["vd"] == f["vt"]:
-            problems.append(f"unexpected tensor {name}: the draft vocabulary equals the target's "
-                            f"(draft_vocab_size = vocab_size = {f['vt']}); vLLM rejects a {name} then")
-        elif name.startswith("layers.") and name.split(".")[1].isdigit() and int(name.split(".")[1]) >= f["layers"]:
+            problems.append(
+                f"unexpected tensor {name}: the draft vocabulary equals the target's "
+                f"(draft_vocab_size = vocab_size = {f['vt']}); vLLM rejects a {name} then"
+            )
+        elif (
+            name.startswith("layers.")
+            and name.split(".")[1].isdigit()
+            and int(name.split(".")[1]) >= f["layers"]
+        ):
             problems.append(f"unexpected tensor {name}: the config has num_hidden_layers = {f['layers']}")
         else:
             problems.append(f"unexpected tensor {name}")
@@ -83,7 +94,9 @@ def _check_tensors(tensors: dict[str, torch.Tensor], f: dict, problems: list[str
     for i in sorted(absent_layers):
         problems.append(f"missing every tensor of layers.{i} (num_hidden_layers = {f['layers']})")
     for name, shape in shapes.items():
-        if name not in tensors and not (name.startswith("layers.") and int(name.split(".")[1]) in absent_layers):
+        if name not in tensors and not (
+            name.startswith("layers.") and int(name.split(".")[1]) in absent_layers
+        ):
             problems.append(f"missing tensor {name} {list(shape)}")
     float_dtypes = set()
     for name, t in tensors.items():
@@ -92,7 +105,9 @@ def _check_tensors(tensors: dict[str, torch.Tensor], f: dict, problems: list[str
             continue
         if tuple(t.shape) != tuple(want):
             hint = f" (fc width must be n·Ht = {f['n_aux']}·{f['ht']})" if name == "fc.weight" else ""
-            hint = hint or (f" (rows must equal draft_vocab_size {f['vd']})" if name == "lm_head.weight" else "")
+            hint = hint or (
+                f" (rows must equal draft_vocab_size {f['vd']})" if name == "lm_head.weight" else ""
+            )
             problems.append(f"{name} has shape {list(t.shape)}, expected {list(want)}{hint}")
         if name == "d2t":
             if t.dtype != torch.int64:
@@ -122,7 +137,9 @@ def _check_vocab_map(tensors: dict, f: dict, problems: list[str]) -> None:
         problems.append(f"d2t maps {outside} draft row(s) outside the target vocabulary [0, {vt})")
         return
     if bool((ids[1:] <= ids[:-1]).any()):
-        problems.append("d2t target ids (i + d2t[i]) are not strictly ascending (duplicate or unsorted draft rows)")
+        problems.append(
+            "d2t target ids (i + d2t[i]) are not strictly ascending (duplicate or unsorted draft rows)"
+        )
     if t2d is not None and t2d.dim() == 1 and t2d.numel() == vt:
         t2d = t2d.bool()
         if int(t2d.sum()) != vd:
@@ -131,7 +148,7 @@ def _check_vocab_map(tensors: dict, f: dict, problems: list[str]) -> None:
             problems.append("t2d disagrees with d2t: some draft rows map to target ids t2d does not mark")
 
 
-def inspect_export(head_dir: str | Path, target: Optional[TargetFacts] = None) -> tuple[HeadDir, dict]:
+def inspect_export(head_dir: str | Path, target: TargetFacts | None = None) -> tuple[HeadDir, dict]:
     """The directory as read (`HeadDir`, every problem listed) and its tensors ({} when
     they cannot be read). The one reading behind `--check`, push and import."""
     hd = read_head_dir(head_dir, target)
@@ -150,12 +167,12 @@ def inspect_export(head_dir: str | Path, target: Optional[TargetFacts] = None) -
     return hd, tensors
 
 
-def validate_export(head_dir: str | Path, target: Optional[TargetFacts] = None) -> list[str]:
+def validate_export(head_dir: str | Path, target: TargetFacts | None = None) -> list[str]:
     """Every problem with an exported head directory (empty list: it is fine)."""
     return inspect_export(head_dir, target)[0].problems
 
 
-def check_export(head_dir: str | Path, target: Optional[TargetFacts] = None) -> None:
+def check_export(head_dir: str | Path, target: TargetFacts | None = None) -> None:
     """Raise `ExportValidationError` listing every problem, or return quietly."""
     problems = validate_export(head_dir, target)
     if problems:

@@ -8,7 +8,6 @@ data/train/eval stages: it only needs a frequency vector.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -33,7 +32,7 @@ class VocabMap:
         return self.t2d.numel()
 
 
-def build_vocab_map(freqs: torch.Tensor, draft_vocab_size: int) -> Optional[VocabMap]:
+def build_vocab_map(freqs: torch.Tensor, draft_vocab_size: int) -> VocabMap | None:
     """The draft vocabulary from token frequencies over masked tokens.
 
     freqs [Vt] (counts; any numeric dtype). Picks the `draft_vocab_size` most frequent

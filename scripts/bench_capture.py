@@ -42,7 +42,12 @@ def main() -> int:
     from eyas.data.cache import FeatureCache, bytes_per_token, dequantize_fp8, quantize_fp8
     from eyas.data.capture import _pad_batch, capture_split, plan_capture
     from eyas.data.conversations import read_conversations
-    from eyas.data.targets import compute_features, default_aux_layer_ids, load_target, target_norm_and_lm_head
+    from eyas.data.targets import (
+        compute_features,
+        default_aux_layer_ids,
+        load_target,
+        target_norm_and_lm_head,
+    )
     from eyas.data.templates import TemplateError, render_with_mask
 
     target = load_target(args.target, dtype="bfloat16", device="cpu")
@@ -88,9 +93,18 @@ def main() -> int:
         for rep in range(args.repeats):
             out = Path(tmp) / f"bf16-{rep}"
 
-            def capture():
-                capture_split(model, split, out, aux_ids, "bf16", args.batch_tokens, 262_144,
-                              tok.pad_token_id or 0, progress=False)
+            def capture(out=out):
+                capture_split(
+                    model,
+                    split,
+                    out,
+                    aux_ids,
+                    "bf16",
+                    args.batch_tokens,
+                    262_144,
+                    tok.pad_token_id or 0,
+                    progress=False,
+                )
 
             # alternate which goes first, so neither always runs on a warmer machine
             if rep % 2:
@@ -100,8 +114,17 @@ def main() -> int:
                 t_fwd.append(timed(forward_only))
                 t_cap.append(timed(capture))
         t_logits.append(timed(forward_logits))
-        capture_split(model, split, Path(tmp) / "fp8", aux_ids, "fp8", args.batch_tokens, 262_144,
-                      tok.pad_token_id or 0, progress=False)
+        capture_split(
+            model,
+            split,
+            Path(tmp) / "fp8",
+            aux_ids,
+            "fp8",
+            args.batch_tokens,
+            262_144,
+            tok.pad_token_id or 0,
+            progress=False,
+        )
         disk_bf16 = sum(f.stat().st_size for f in (Path(tmp) / "bf16-0").glob("*.safetensors"))
         disk_fp8 = sum(f.stat().st_size for f in (Path(tmp) / "fp8").glob("*.safetensors"))
         a, b = FeatureCache(Path(tmp) / "bf16-0"), FeatureCache(Path(tmp) / "fp8")
@@ -125,14 +148,21 @@ def main() -> int:
 
     cap, fwd = min(t_cap), min(t_fwd)
     result = {
-        "target": args.target, "threads": torch.get_num_threads(), "samples": len(ids), "tokens": n_tokens,
-        "batches": len(batches), "aux_layer_ids": aux_ids,
+        "target": args.target,
+        "threads": torch.get_num_threads(),
+        "samples": len(ids),
+        "tokens": n_tokens,
+        "batches": len(batches),
+        "aux_layer_ids": aux_ids,
         "capture_tokens_per_s": round(n_tokens / cap, 1),
         "forward_tokens_per_s": round(n_tokens / fwd, 1),
         "capture_over_forward": round(cap / fwd, 3),
         # per-round ratios are steadier than best-of-each on a machine whose speed drifts
-        "capture_over_forward_median_paired": round(statistics.median(c / f for c, f in zip(t_cap, t_fwd)), 3),
-        "capture_seconds": [round(x, 2) for x in t_cap], "forward_seconds": [round(x, 2) for x in t_fwd],
+        "capture_over_forward_median_paired": round(
+            statistics.median(c / f for c, f in zip(t_cap, t_fwd)), 3
+        ),
+        "capture_seconds": [round(x, 2) for x in t_cap],
+        "forward_seconds": [round(x, 2) for x in t_fwd],
         "forward_with_logits_tokens_per_s": round(n_tokens / min(t_logits), 1),
         "bytes_per_token_bf16": bytes_per_token(len(aux_ids), H, "bf16"),
         "bytes_per_token_fp8": bytes_per_token(len(aux_ids), H, "fp8"),

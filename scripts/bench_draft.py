@@ -22,16 +22,26 @@ import time
 import torch
 
 from eyas.allocator import keep_freed_memory
-
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.peagle import build_head
 
 
 def smollm2_head(algorithm: str, layers: int, draft_vocab: int) -> DraftHeadConfig:
     return DraftHeadConfig(
-        algorithm=algorithm, hidden_size=576, target_hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-        head_dim=64, intermediate_size=1536, num_hidden_layers=layers, vocab_size=49152, draft_vocab_size=draft_vocab,
-        aux_layer_ids=[2, 15, 27], target_num_layers=30, rope_theta=100000.0, max_position_embeddings=8192,
+        algorithm=algorithm,
+        hidden_size=576,
+        target_hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        vocab_size=49152,
+        draft_vocab_size=draft_vocab,
+        aux_layer_ids=[2, 15, 27],
+        target_num_layers=30,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
         mask_token_id=16 if algorithm == "peagle" else None,
     )
 
@@ -65,7 +75,9 @@ def draft_timer(head, k: int, prefix: int, device: torch.device, dtype: torch.dt
     return once
 
 
-def time_heads(heads: dict, k: int, prefix: int, device, dtype, warmup: int, repeats: int, rounds: int) -> dict:
+def time_heads(
+    heads: dict, k: int, prefix: int, device, dtype, warmup: int, repeats: int, rounds: int
+) -> dict:
     """Median seconds per head of a k-token draft. The heads take turns, `repeats` calls
     each per round, so drift of a shared machine falls on all of them alike."""
     timers = {name: draft_timer(h, k, prefix, device, dtype) for name, h in heads.items()}
@@ -82,12 +94,20 @@ def time_heads(heads: dict, k: int, prefix: int, device, dtype, warmup: int, rep
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
-                        help="the heads' dtype (bf16: what vLLM serves them in)")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="bfloat16",
+        help="the heads' dtype (bf16: what vLLM serves them in)",
+    )
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--prefix", type=int, default=300)
-    parser.add_argument("--layers", type=int, default=1, help="layers of both heads in the like-for-like comparison")
-    parser.add_argument("--shipped-layers", type=int, default=2, help="layers of the P-EAGLE head the recipes ship")
+    parser.add_argument(
+        "--layers", type=int, default=1, help="layers of both heads in the like-for-like comparison"
+    )
+    parser.add_argument(
+        "--shipped-layers", type=int, default=2, help="layers of the P-EAGLE head the recipes ship"
+    )
     parser.add_argument("--ks", type=int, nargs="+", default=[3, 5, 7])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=1, help="calls per head per round")
@@ -110,8 +130,15 @@ def main(argv=None) -> int:
     }
     for head in heads.values():
         head.to(device, dtype).eval()
-    out = {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "draft_vocab": args.draft_vocab,
-           "prefix": args.prefix, "layers": args.layers, "shipped_layers": args.shipped_layers, "seconds": {}}
+    out = {
+        "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "draft_vocab": args.draft_vocab,
+        "prefix": args.prefix,
+        "layers": args.layers,
+        "shipped_layers": args.shipped_layers,
+        "seconds": {},
+    }
     for k in args.ks:
         secs = time_heads(heads, k, args.prefix, device, dtype, args.warmup, args.repeats, args.rounds)
         out["seconds"][f"k{k}"] = secs

@@ -45,19 +45,31 @@ def main() -> None:
     shape = TARGET_SHAPES[args.target]
     heads, kv_heads, head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     attention_mask = torch.ones(args.batch, args.seq, dtype=torch.long)
-    el = compact(cod_grid(attention_mask, args.num_depths, args.cod_r, args.cod_r_min,
-                          torch.Generator().manual_seed(0)), args.seq)
+    el = compact(
+        cod_grid(
+            attention_mask, args.num_depths, args.cod_r, args.cod_r_min, torch.Generator().manual_seed(0)
+        ),
+        args.seq,
+    )
     mask = peagle_block_mask(el.anchor.cuda(), el.depth.cuda(), el.real.cuda())
     length = el.anchor.shape[1]
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def rand(h):
-        return torch.randn(args.batch, h, length, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen,
-                           requires_grad=True)
+        return torch.randn(
+            args.batch,
+            h,
+            length,
+            head_dim,
+            device="cuda",
+            dtype=torch.bfloat16,
+            generator=gen,
+            requires_grad=True,
+        )
 
     q, k, v = rand(heads), rand(kv_heads), rand(kv_heads)
     attend = torch.compile(flex_attention, dynamic=False)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
 
     def timed(fn) -> float:
         fn()
@@ -68,19 +80,33 @@ def main() -> None:
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / args.repeats * 1000
 
-    result = {"target": args.target, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-              "batch": args.batch, "seq": args.seq, "num_depths": args.num_depths, "elements": length,
-              "sparsity": round(float(mask.sparsity()), 2), "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__}
+    result = {
+        "target": args.target,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "batch": args.batch,
+        "seq": args.seq,
+        "num_depths": args.num_depths,
+        "elements": length,
+        "sparsity": round(float(mask.sparsity()), 2),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+    }
     outputs = {}
     for name, options in (("torch_default", None), ("eyas", flex_kernel_options(q))):
-        def forward():
-            return attend(q, k, v, block_mask=mask, scale=scale, enable_gqa=heads != kv_heads,
-                          kernel_options=options)
+
+        def forward(options=options):
+            return attend(
+                q, k, v, block_mask=mask, scale=scale, enable_gqa=heads != kv_heads, kernel_options=options
+            )
 
         outputs[name] = forward().detach()
-        result[name] = {"kernel_options": options, "forward_ms": round(timed(forward), 2),
-                        "forward_backward_ms": round(timed(lambda: forward().sum().backward()), 2)}
+        result[name] = {
+            "kernel_options": options,
+            "forward_ms": round(timed(forward), 2),
+            "forward_backward_ms": round(timed(lambda: forward().sum().backward()), 2),
+        }
     result["eyas"]["max_abs_diff"] = float((outputs["eyas"] - outputs["torch_default"]).abs().max())
     print(json.dumps(result, indent=1))
 

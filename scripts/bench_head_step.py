@@ -25,19 +25,55 @@ import torch
 
 # Published config.json values (only what shapes the head and its labels).
 TARGET_SHAPES = {
-    "smollm2-135m": dict(model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
-                         rope_theta=100000.0, rms_norm_eps=1e-5),
-    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
-                         rope_theta=500000.0, rms_norm_eps=1e-5),
-    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
-                        num_key_value_heads=8, head_dim=64, intermediate_size=2880, vocab_size=201088,
-                        rope_theta=150000.0, rms_norm_eps=1e-5),
-    "qwen3-coder-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48,
-                                num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                                intermediate_size=6144, moe_intermediate_size=768, vocab_size=151936,
-                                rope_theta=10000000.0, rms_norm_eps=1e-6),
+    "smollm2-135m": dict(
+        model_type="llama",
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+    ),
+    "llama-3.1-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+    ),
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss",
+        hidden_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=2880,
+        vocab_size=201088,
+        rope_theta=150000.0,
+        rms_norm_eps=1e-5,
+    ),
+    "qwen3-coder-30b-a3b": dict(
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        vocab_size=151936,
+        rope_theta=10000000.0,
+        rms_norm_eps=1e-6,
+    ),
 }
 TARGET_SHAPES["gpt-oss-120b"] = {**TARGET_SHAPES["gpt-oss-20b"], "num_hidden_layers": 36}
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,14 +97,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", choices=sorted(TARGET_SHAPES), default="smollm2-135m")
     ap.add_argument("--algorithm", choices=("eagle3", "peagle"), default="eagle3")
-    ap.add_argument("--recipe", help="recipe for the head and train settings (default: recipes/<target>-<algorithm>.yaml)")
-    ap.add_argument("--seq", type=int, default=None, help="sequence length (default: min(data.max_length, 2048))")
-    ap.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default: train.batch_tokens)")
+    ap.add_argument(
+        "--recipe", help="recipe for the head and train settings (default: recipes/<target>-<algorithm>.yaml)"
+    )
+    ap.add_argument(
+        "--seq", type=int, default=None, help="sequence length (default: min(data.max_length, 2048))"
+    )
+    ap.add_argument(
+        "--batch-tokens", type=int, default=None, help="tokens per step (default: train.batch_tokens)"
+    )
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
     ap.add_argument("--warmup", type=int, default=3, help="untimed first steps (compiles)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="profile one more step; JSON key profile: its N costliest ops")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile one more step; JSON key profile: its N costliest ops",
+    )
     args = ap.parse_args()
 
     from eyas.recipe import load_recipe
@@ -85,8 +132,10 @@ def main() -> None:
     step = build_head_step(recipe, cfg_t, args.target, device, rows=b * seq)
     head_cfg, target_dtype, mixed_precision = step.head_config, step.target_dtype, step.mixed_precision
     gen = torch.Generator().manual_seed(0)
-    batches = [synthetic_batch(b, seq, cfg_t.vocab_size, step.aux_width, cfg_t.hidden_size, device, gen)
-               for _ in range(2)]
+    batches = [
+        synthetic_batch(b, seq, cfg_t.vocab_size, step.aux_width, cfg_t.hidden_size, device, gen)
+        for _ in range(2)
+    ]
 
     def sync():
         if device.type == "cuda":
@@ -99,7 +148,8 @@ def main() -> None:
         batch = batches[i % 2]
         profiler = None
         if args.profile and i == n_steps - 1:
-            from torch.profiler import ProfilerActivity, profile as torch_profile
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
 
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
             profiler = torch_profile(activities=acts)
@@ -120,17 +170,32 @@ def main() -> None:
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         name = f"cpu ({torch.get_num_threads()} threads)"
-    print(json.dumps({
-        "target": args.target, "algorithm": head_cfg.algorithm, "recipe": str(recipe_path.relative_to(ROOT))
-        if recipe_path.is_relative_to(ROOT) else str(recipe_path), "device": name,
-        "seq": seq, "batch_size": b, "ttt_steps": train_cfg.ttt_steps if head_cfg.algorithm == "eagle3" else None,
-        "num_depths": train_cfg.num_depths if head_cfg.algorithm == "peagle" else None,
-        "draft_vocab_size": head_cfg.draft_vocab_size, "head_params": step.head_params,
-        "target_dtype": str(target_dtype).removeprefix("torch."), "mixed_precision": mixed_precision,
-        "tokens_per_s": tokens / sum(seconds), "step_seconds": [round(s, 4) for s in seconds],
-        "peak_memory_gb": round(peak, 3), "torch": torch.__version__,
-        **({"profile": profile} if profile is not None else {}),
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "target": args.target,
+                "algorithm": head_cfg.algorithm,
+                "recipe": str(recipe_path.relative_to(ROOT))
+                if recipe_path.is_relative_to(ROOT)
+                else str(recipe_path),
+                "device": name,
+                "seq": seq,
+                "batch_size": b,
+                "ttt_steps": train_cfg.ttt_steps if head_cfg.algorithm == "eagle3" else None,
+                "num_depths": train_cfg.num_depths if head_cfg.algorithm == "peagle" else None,
+                "draft_vocab_size": head_cfg.draft_vocab_size,
+                "head_params": step.head_params,
+                "target_dtype": str(target_dtype).removeprefix("torch."),
+                "mixed_precision": mixed_precision,
+                "tokens_per_s": tokens / sum(seconds),
+                "step_seconds": [round(s, 4) for s in seconds],
+                "peak_memory_gb": round(peak, 3),
+                "torch": torch.__version__,
+                **({"profile": profile} if profile is not None else {}),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -33,17 +33,27 @@ def main() -> None:
     from eyas.data.targets import load_target_config
 
     config = load_target_config(args.target)
-    out = {"cpu": precision._cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "bf16_flags": {name: bool(getattr(torch.cpu, name, lambda: False)())
-                          for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")},
-           "rows": {}}
+    out = {
+        "cpu": precision._cpu_name(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "bf16_flags": {
+            name: bool(getattr(torch.cpu, name, lambda: False)())
+            for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        },
+        "rows": {},
+    }
     for rows in (int(r) for r in args.rows.split(",")):
         shapes = precision.shapes_of_config(config, rows)
         out["shapes"] = {k: v for k, v in vars(shapes.timed()).items() if k != "rows"}
         bf16 = precision.time_matmuls(torch.bfloat16, shapes, args.seconds)
         fp32 = precision.time_matmuls(torch.float32, shapes, args.seconds)
-        out["rows"][rows] = {"bfloat16_ms": round(bf16 * 1e3, 3), "float32_ms": round(fp32 * 1e3, 3),
-                             "bf16_speedup": round(fp32 / bf16, 2), "auto": "bfloat16" if bf16 < fp32 else "float32"}
+        out["rows"][rows] = {
+            "bfloat16_ms": round(bf16 * 1e3, 3),
+            "float32_ms": round(fp32 * 1e3, 3),
+            "bf16_speedup": round(fp32 / bf16, 2),
+            "auto": "bfloat16" if bf16 < fp32 else "float32",
+        }
     print(json.dumps(out, indent=1))
 
 

@@ -54,21 +54,31 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--states", choices=["off", "on", "both"], default="off",
-                    help="keep the fed tokens' states (data.regenerate.keep_states): off, on, or both variants")
+    ap.add_argument(
+        "--states",
+        choices=["off", "on", "both"],
+        default="off",
+        help="keep the fed tokens' states (data.regenerate.keep_states): off, on, or both variants",
+    )
     ap.add_argument("--backend", choices=["hf", "server", "both"], default="hf")
     ap.add_argument("--concurrency", default="16,64", help="server backend: requests in flight, one run each")
     ap.add_argument("--server-url", help="a running OpenAI-compatible server instead of starting vllm serve")
-    ap.add_argument("--engine-log", default=None, help="where the started engine writes (default: a temp file)")
+    ap.add_argument(
+        "--engine-log", default=None, help="where the started engine writes (default: a temp file)"
+    )
     args = ap.parse_args()
     keep_freed_memory()  # as every `eyas` command does
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.states]
-    sizes = [(int(s), keep) for s in args.batch_sizes.split(",") for keep in modes] if args.backend != "server" else []
+    sizes = (
+        [(int(s), keep) for s in args.batch_sizes.split(",") for keep in modes]
+        if args.backend != "server"
+        else []
+    )
     concurrencies = [int(c) for c in args.concurrency.split(",")] if args.backend != "hf" else []
 
     from eyas.data.conversations import read_conversations
-    from eyas.data.fed_states import fed_state_layer_ids
     from eyas.data.decode import decode_replies_hf
+    from eyas.data.fed_states import fed_state_layer_ids
     from eyas.data.regenerate import before_first_reply
     from eyas.data.targets import default_aux_layer_ids, load_target
     from eyas.data.templates import TemplateError, prompt_ids
@@ -93,7 +103,9 @@ def main() -> int:
     def count(texts):
         return sum(len(target.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
 
-    variants = [(f"{bs}+states" if keep else str(bs)) for bs, keep in sizes] + [f"server@{c}" for c in concurrencies]
+    variants = [(f"{bs}+states" if keep else str(bs)) for bs, keep in sizes] + [
+        f"server@{c}" for c in concurrencies
+    ]
     seconds = {v: [] for v in variants}
     reply_tokens, replies_n = {}, {}
     loadavg_before = os.getloadavg()[0]
@@ -102,8 +114,15 @@ def main() -> int:
         for bs, keep in sizes:
             start, texts = time.perf_counter(), []
             for i in range(0, len(prompts), bs):
-                replies = decode_replies_hf(target.model, target.tokenizer, prompts[i:i + bs],
-                                            args.max_new_tokens, 0.0, 1.0, state_layer_ids=layer_ids if keep else None)
+                replies = decode_replies_hf(
+                    target.model,
+                    target.tokenizer,
+                    prompts[i : i + bs],
+                    args.max_new_tokens,
+                    0.0,
+                    1.0,
+                    state_layer_ids=layer_ids if keep else None,
+                )
                 texts += [r.text for r in replies]
             v = f"{bs}+states" if keep else str(bs)
             seconds[v].append(time.perf_counter() - start)
@@ -117,20 +136,34 @@ def main() -> int:
                 seconds[v].append(time.perf_counter() - start)
                 reply_tokens[v], replies_n[v] = count(texts), sum(bool(t) for t in texts)
     rate = {v: reply_tokens[v] / min(seconds[v]) for v in variants}
-    states_cost = {str(bs): round(min(seconds[f"{bs}+states"]) / min(seconds[str(bs)]) - 1, 3)
-                   for bs, keep in sizes if keep and str(bs) in seconds}
-    print(json.dumps({
-        "settings": {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                     "max_prompt_tokens": args.max_prompt_tokens, "dtype": args.dtype, "rounds": args.rounds,
-                     "threads": torch.get_num_threads(), "loadavg_before": loadavg_before,
-                     "server": args.server_url or ("vllm serve (.venv-vllm)" if concurrencies else None)},
-        "reply_tokens": reply_tokens,
-        "reply_tokens_per_s": {v: round(rate[v], 1) for v in variants},
-        "replies_per_s": {v: round(replies_n[v] / min(seconds[v]), 2) for v in variants},
-        "speedup_over_first": {v: round(rate[v] / rate[variants[0]], 3) for v in variants},
-        "seconds": {v: [round(s, 2) for s in seconds[v]] for v in variants},
-        **({"states_cost": states_cost} if states_cost else {}),
-    }, indent=2))
+    states_cost = {
+        str(bs): round(min(seconds[f"{bs}+states"]) / min(seconds[str(bs)]) - 1, 3)
+        for bs, keep in sizes
+        if keep and str(bs) in seconds
+    }
+    print(
+        json.dumps(
+            {
+                "settings": {
+                    "prompts": len(prompts),
+                    "max_new_tokens": args.max_new_tokens,
+                    "max_prompt_tokens": args.max_prompt_tokens,
+                    "dtype": args.dtype,
+                    "rounds": args.rounds,
+                    "threads": torch.get_num_threads(),
+                    "loadavg_before": loadavg_before,
+                    "server": args.server_url or ("vllm serve (.venv-vllm)" if concurrencies else None),
+                },
+                "reply_tokens": reply_tokens,
+                "reply_tokens_per_s": {v: round(rate[v], 1) for v in variants},
+                "replies_per_s": {v: round(replies_n[v] / min(seconds[v]), 2) for v in variants},
+                "speedup_over_first": {v: round(rate[v] / rate[variants[0]], 3) for v in variants},
+                "seconds": {v: [round(s, 2) for s in seconds[v]] for v in variants},
+                **({"states_cost": states_cost} if states_cost else {}),
+            },
+            indent=2,
+        )
+    )
     return 0
 
 
@@ -148,8 +181,10 @@ def _server(args, model_dir: str):
     root = Path(__file__).resolve().parent.parent
     vllm_py = root / ".venv-vllm" / "bin" / "python"
     if not vllm_py.is_file():
-        sys.exit("--backend server starts vllm serve from .venv-vllm: run scripts/setup_vllm_env.sh, "
-                 "or pass --server-url of a running server")
+        sys.exit(
+            "--backend server starts vllm serve from .venv-vllm: run scripts/setup_vllm_env.sh, "
+            "or pass --server-url of a running server"
+        )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -158,8 +193,9 @@ def _server(args, model_dir: str):
     sys.path.insert(0, str(root / "scripts"))
     from vllm_runner import local_serve_command
 
-    command = local_serve_command(model_dir, port, dtype, args.max_prompt_tokens + args.max_new_tokens + 64,
-                                  eager=False)
+    command = local_serve_command(
+        model_dir, port, dtype, args.max_prompt_tokens + args.max_new_tokens + 64, eager=False
+    )
     log_path = Path(args.engine_log or tempfile.mktemp(prefix="bench-regenerate-engine-", suffix=".log"))
 
     @contextmanager
@@ -171,8 +207,9 @@ def _server(args, model_dir: str):
     return started()
 
 
-def _regenerate_through_server(url: str, concurrency: int, firsts: list[list[dict]], tokenizer,
-                               max_new_tokens: int) -> list[str]:
+def _regenerate_through_server(
+    url: str, concurrency: int, firsts: list[list[dict]], tokenizer, max_new_tokens: int
+) -> list[str]:
     """Every first prompt through eyas's server backend, as `eyas prepare` sends them;
     returns the stored reply texts ("" where none came)."""
     from eyas.data.regenerate import regenerate
@@ -181,8 +218,14 @@ def _regenerate_through_server(url: str, concurrency: int, firsts: list[list[dic
     conversations = [first + [{"role": "assistant", "content": ""}] for first in firsts]
     with tempfile.TemporaryDirectory() as tmp:
         settings = ServerSettings(urls=[url], concurrency=concurrency, max_new_tokens=max_new_tokens)
-        out = regenerate(conversations, tokenizer, Path(tmp) / "regenerated.jsonl", backend="server",
-                         server=settings, progress=False)
+        out = regenerate(
+            conversations,
+            tokenizer,
+            Path(tmp) / "regenerated.jsonl",
+            backend="server",
+            server=settings,
+            progress=False,
+        )
     return [c[-1]["content"] if c else "" for c in out]
 
 

@@ -44,7 +44,7 @@ def sharegpt_batches(tokenizer, n_batches: int, batch: int, seq: int):
             samples.append({"input_ids": r.input_ids[:seq], "loss_mask": r.loss_mask[:seq]})
         if len(samples) == n_batches * batch:
             break
-    return [collate(samples[i:i + batch]) for i in range(0, len(samples), batch)]
+    return [collate(samples[i : i + batch]) for i in range(0, len(samples), batch)]
 
 
 def target_flops_per_token(model, seq: int) -> float:
@@ -78,17 +78,37 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--copy-attention-weight", type=float, default=0.0,
-                    help="train.copy_attention_weight (the quickstart recipe uses 1.0)")
-    ap.add_argument("--copy-attention-steps", type=int, default=1,
-                    help="train.copy_attention_steps: TTT steps whose attention is supervised")
+    ap.add_argument(
+        "--copy-attention-weight",
+        type=float,
+        default=0.0,
+        help="train.copy_attention_weight (the quickstart recipe uses 1.0)",
+    )
+    ap.add_argument(
+        "--copy-attention-steps",
+        type=int,
+        default=1,
+        help="train.copy_attention_steps: TTT steps whose attention is supervised",
+    )
     ap.add_argument("--modes", default="offline,online")
-    ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
-                    help="the target's dtype (auto: bf16 where this CPU runs it natively, else float32)")
-    ap.add_argument("--mixed-precision", default="auto", choices=("auto", "bf16", "no"),
-                    help="the head's autocast (auto: as --dtype auto)")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="rounds over the batches, every mode taking its turn on each batch")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float32"),
+        help="the target's dtype (auto: bf16 where this CPU runs it natively, else float32)",
+    )
+    ap.add_argument(
+        "--mixed-precision",
+        default="auto",
+        choices=("auto", "bf16", "no"),
+        help="the head's autocast (auto: as --dtype auto)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds over the batches, every mode taking its turn on each batch",
+    )
     args = ap.parse_args()
     keep_freed_memory()  # as every `eyas` command does
     loadavg_before = os.getloadavg()[0]
@@ -104,16 +124,24 @@ def main() -> None:
     from eyas.train.feed import FeatureSource
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    recipe = load_recipe(os.path.join(root, "recipes", "smollm2-135m-eagle3.yaml"),
-                         [f"train.ttt_steps={args.ttt}", f"head.draft_vocab_size={args.draft_vocab}",
-                          f"train.copy_attention_weight={args.copy_attention_weight}",
-                          f"train.copy_attention_steps={args.copy_attention_steps}"])
+    recipe = load_recipe(
+        os.path.join(root, "recipes", "smollm2-135m-eagle3.yaml"),
+        [
+            f"train.ttt_steps={args.ttt}",
+            f"head.draft_vocab_size={args.draft_vocab}",
+            f"train.copy_attention_weight={args.copy_attention_weight}",
+            f"train.copy_attention_steps={args.copy_attention_steps}",
+        ],
+    )
     target = load_target("smollm2-135m", args.dtype, "cpu")
     bf16_autocast = resolve_mixed_precision(args.mixed_precision, "cpu") == "bf16"
     batches = sharegpt_batches(target.tokenizer, args.steps + 1, args.batch, args.seq)
     vt = target.vocab_size
-    freqs = token_frequencies([b.tolist() for x in batches for b in x["input_ids"]],
-                              [m.tolist() for x in batches for m in x["loss_mask"]], vt)
+    freqs = token_frequencies(
+        [b.tolist() for x in batches for b in x["input_ids"]],
+        [m.tolist() for x in batches for m in x["loss_mask"]],
+        vt,
+    )
     torch.manual_seed(0)
     head = build_trainable_head(head_config_for(recipe, target.config), target.model, freqs)
     features = FeatureSource(target.model, list(head.config.aux_layer_ids), frozen_output(target.model), head)
@@ -156,24 +184,42 @@ def main() -> None:
     turn = 0
     for r in range(args.rounds):
         for i in range(1, len(batches)):
-            for mode in modes[turn % len(modes):] + modes[:turn % len(modes)]:
+            for mode in modes[turn % len(modes) :] + modes[: turn % len(modes)]:
                 seconds[mode][r] += timed(mode, cached[i] if mode == "offline" else batches[i])
             turn += 1
 
     f_target = target_flops_per_token(target.model, args.seq)
     # slots whose next token is real and in the loss mask: where labels and LM-head rows are needed
-    loss_share = sum(int((b["loss_mask"][:, 1:].bool() & b["attention_mask"][:, 1:].bool()).sum())
-                     for b in batches[1:]) / timed_tokens
+    loss_share = (
+        sum(
+            int((b["loss_mask"][:, 1:].bool() & b["attention_mask"][:, 1:].bool()).sum()) for b in batches[1:]
+        )
+        / timed_tokens
+    )
     f_train = train_flops_per_token(head, args.seq, args.ttt, vt, loss_share)
     best_fwd = min(seconds["forward"])
-    result = {"settings": {"ttt_steps": args.ttt, "draft_vocab_size": args.draft_vocab, "seq": args.seq,
-                           "batch": args.batch, "copy_attention_weight": args.copy_attention_weight,
-                           "copy_attention_steps": args.copy_attention_steps, "timed_steps": args.steps, "rounds": args.rounds,
-                           "threads": torch.get_num_threads(), "loadavg_before": loadavg_before,
-                           "target_dtype": str(target.model.dtype).removeprefix("torch."),
-                           "bf16_autocast": bf16_autocast},
-              "train_tokens_per_s": {}, "forward_tokens_per_s": timed_tokens / best_fwd, "flop_ratio": {},
-              "flop_ratio_median_paired": {}, "flop_ratio_best_of": {}, "seconds": seconds}
+    result = {
+        "settings": {
+            "ttt_steps": args.ttt,
+            "draft_vocab_size": args.draft_vocab,
+            "seq": args.seq,
+            "batch": args.batch,
+            "copy_attention_weight": args.copy_attention_weight,
+            "copy_attention_steps": args.copy_attention_steps,
+            "timed_steps": args.steps,
+            "rounds": args.rounds,
+            "threads": torch.get_num_threads(),
+            "loadavg_before": loadavg_before,
+            "target_dtype": str(target.model.dtype).removeprefix("torch."),
+            "bf16_autocast": bf16_autocast,
+        },
+        "train_tokens_per_s": {},
+        "forward_tokens_per_s": timed_tokens / best_fwd,
+        "flop_ratio": {},
+        "flop_ratio_median_paired": {},
+        "flop_ratio_best_of": {},
+        "seconds": seconds,
+    }
     for mode in modes[1:]:
         flops = f_train + (f_target if mode == "online" else 0.0)
         # the time the mode's FLOPs take at the target-forward FLOP rate of the same round
@@ -181,9 +227,14 @@ def main() -> None:
         result["train_tokens_per_s"][mode] = timed_tokens / min(seconds[mode])
         result["flop_ratio"][mode] = sum(seconds[mode]) / sum(predicted)
         result["flop_ratio_median_paired"][mode] = statistics.median(
-            s / p for s, p in zip(seconds[mode], predicted))
+            s / p for s, p in zip(seconds[mode], predicted)
+        )
         result["flop_ratio_best_of"][mode] = min(seconds[mode]) / (best_fwd * flops / f_target)
-    result["flops_per_token"] = {"target_forward": f_target, "train_step_offline": f_train, "loss_share": loss_share}
+    result["flops_per_token"] = {
+        "target_forward": f_target,
+        "train_step_offline": f_train,
+        "loss_share": loss_share,
+    }
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["settings"]["loadavg_after"] = os.getloadavg()[0]
     print(json.dumps(result, indent=1))

@@ -49,7 +49,7 @@ def main() -> None:
     bar = tqdm(total=sum(len(p.turns) for p in prompts), desc="copy accuracy", unit="turn")
     for prompt in prompts:
         replies: list[str] = []
-        for turn in range(len(prompt.turns)):
+        for _turn in range(len(prompt.turns)):
             ids = render_turn(tokenizer, prompt, replies)
             reply = greedy_decode(model, ids, args.max_new_tokens, eos).tokens
             replies.append(tokenizer.decode(reply, skip_special_tokens=True))
@@ -58,8 +58,12 @@ def main() -> None:
                 model(input_ids=torch.tensor([seq]))
                 aux = grabbed["aux"]
                 n = len(seq) - 1
-                logits, _ = head.forward_step(torch.tensor([seq[1:]]), head.combine_aux(aux[:, :-1]),
-                                              torch.arange(n)[None], head.new_cache())
+                logits, _ = head.forward_step(
+                    torch.tensor([seq[1:]]),
+                    head.combine_aux(aux[:, :-1]),
+                    torch.arange(n)[None],
+                    head.new_cache(),
+                )
                 pred = head.to_target_ids(logits[0].argmax(-1)).tolist()  # pred[t] is for x_{t+2}
             tokens = np.asarray(seq)
             for t in range(len(ids) - 1, len(seq) - 2):  # the predicted token x_{t+2} is in the reply
@@ -75,8 +79,14 @@ def main() -> None:
     bar.close()
     out = {k: {"positions": c, "head_accuracy": h / c if c else None} for k, (h, c) in counts.items()}
     out["ngram"] = {"proposed": proposed, "precision": right / proposed if proposed else None}
-    out["settings"] = {"head": args.head, "target": args.target, "workload": args.workload,
-                       "max_prompts": args.max_prompts, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype}
+    out["settings"] = {
+        "head": args.head,
+        "target": args.target,
+        "workload": args.workload,
+        "max_prompts": args.max_prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "dtype": args.dtype,
+    }
     print(json.dumps(out, indent=1))
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: set up (or reuse) the virtual environment, then run pytest.
+# The test command: set up (or reuse) the virtual environment, lint (ruff), then run pytest.
 #   scripts/test.sh               the fast suite (~5 min), then the slow end-to-end tests
 #                                 (real SmolLM2, SIGKILL/resume, DDP and DeepSpeed launches, and
 #                                 the real vLLM of .venv-vllm, set up here: regeneration through
@@ -25,6 +25,9 @@ run_pytest() {
 if [ $# -gt 0 ]; then
   run_pytest "$@"; exit $?
 fi
+# Lint and format first: seconds, and a failure names the file and line.
+"$VENV/bin/ruff" check . && "$VENV/bin/ruff" format --check . || {
+  echo "ruff: run '$VENV/bin/ruff format . && $VENV/bin/ruff check --fix .'" >&2; exit 1; }
 run_pytest -m "not slow and not vllm and not cuda" -q
 rc=$?
 if [ $rc -eq 0 ] && [ "${EYAS_TEST_FAST:-0}" != "1" ]; then

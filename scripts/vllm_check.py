@@ -68,21 +68,46 @@ class HeadSpec:
 
 
 HEADS = {
-    "e3-vocab": HeadSpec("e3-vocab", draft_vocab=True,
-                         description="EAGLE-3 lens head, draft vocabulary (d2t/t2d), speculators"),
-    "e31": HeadSpec("e31", options=dict(fc_norm=True, norm_output=True, norm_before_residual=True),
-                    description="EAGLE-3 lens head, full vocabulary, EAGLE 3.1 fc_norm + norm_output, "
-                                "norm_before_residual, speculators"),
-    "pe": HeadSpec("pe", algorithm="peagle", num_hidden_layers=2,
-                   description="P-EAGLE lens head, 2 layers, full vocabulary, speculators"),
-    "pe31": HeadSpec("pe31", algorithm="peagle", num_hidden_layers=2, draft_vocab=True,
-                     options=dict(fc_norm=True, norm_output=True),
-                     description="P-EAGLE lens head, 2 layers, draft vocabulary, fc_norm + norm_output, speculators"),
-    "e3-eagle": HeadSpec("e3-eagle", fmt="eagle", draft_vocab=True, options=dict(fc_norm=True),
-                         description="EAGLE-3 lens head, draft vocabulary, fc_norm, original EAGLE layout (midlayer.*)"),
-    "pe-eagle": HeadSpec("pe-eagle", algorithm="peagle", fmt="eagle", num_hidden_layers=2,
-                         description="P-EAGLE lens head, 2 layers, original EAGLE layout"),
-    "trained": HeadSpec("trained", kind="trained", description="a trained SmolLM2 head (bf16 export, served in fp32)"),
+    "e3-vocab": HeadSpec(
+        "e3-vocab", draft_vocab=True, description="EAGLE-3 lens head, draft vocabulary (d2t/t2d), speculators"
+    ),
+    "e31": HeadSpec(
+        "e31",
+        options=dict(fc_norm=True, norm_output=True, norm_before_residual=True),
+        description="EAGLE-3 lens head, full vocabulary, EAGLE 3.1 fc_norm + norm_output, "
+        "norm_before_residual, speculators",
+    ),
+    "pe": HeadSpec(
+        "pe",
+        algorithm="peagle",
+        num_hidden_layers=2,
+        description="P-EAGLE lens head, 2 layers, full vocabulary, speculators",
+    ),
+    "pe31": HeadSpec(
+        "pe31",
+        algorithm="peagle",
+        num_hidden_layers=2,
+        draft_vocab=True,
+        options=dict(fc_norm=True, norm_output=True),
+        description="P-EAGLE lens head, 2 layers, draft vocabulary, fc_norm + norm_output, speculators",
+    ),
+    "e3-eagle": HeadSpec(
+        "e3-eagle",
+        fmt="eagle",
+        draft_vocab=True,
+        options=dict(fc_norm=True),
+        description="EAGLE-3 lens head, draft vocabulary, fc_norm, original EAGLE layout (midlayer.*)",
+    ),
+    "pe-eagle": HeadSpec(
+        "pe-eagle",
+        algorithm="peagle",
+        fmt="eagle",
+        num_hidden_layers=2,
+        description="P-EAGLE lens head, 2 layers, original EAGLE layout",
+    ),
+    "trained": HeadSpec(
+        "trained", kind="trained", description="a trained SmolLM2 head (bf16 export, served in fp32)"
+    ),
 }
 QUICK = ["e3-vocab", "pe"]
 SERVE_HEAD = "e3-vocab"
@@ -97,17 +122,33 @@ def log(msg: str) -> None:
 
 def run_vllm(job: dict, work: Path, name: str, timeout: float) -> dict:
     """One engine in its own process (vLLM spawns workers; two never run at once)."""
-    job_path, out_path, log_path = work / f"job_{name}.json", work / f"out_{name}.json", work / f"vllm_{name}.log"
+    job_path, out_path, log_path = (
+        work / f"job_{name}.json",
+        work / f"out_{name}.json",
+        work / f"vllm_{name}.log",
+    )
     job_path.write_text(json.dumps(job))
     out_path.unlink(missing_ok=True)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     env.pop("PYTHONPATH", None)
     start = time.time()
     with open(log_path, "w") as logf:
         try:
-            subprocess.run([str(VLLM_PYTHON), str(RUNNER), str(job_path), str(out_path)], stdout=logf,
-                           stderr=subprocess.STDOUT, env=env, cwd=str(work), timeout=timeout, check=False)
+            subprocess.run(
+                [str(VLLM_PYTHON), str(RUNNER), str(job_path), str(out_path)],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=str(work),
+                timeout=timeout,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
             return {"ok": False, "error": f"timed out after {timeout:.0f}s (log {log_path})"}
     if not out_path.is_file():
@@ -145,6 +186,7 @@ def counts_from_traces(traces, k: int) -> dict:
 def acceptance_table(eyas_counts: dict, vllm_counts: dict | None, oracle: dict | None, k: int) -> list[dict]:
     """Per draft position: the rate each side accepted it (count / drafts) and the
     conditional rate a_k (given positions < k were accepted), eyas and vLLM side by side."""
+
     def rates(c):
         if not c or not c.get("drafts"):
             return [None] * k, [None] * k
@@ -156,9 +198,15 @@ def acceptance_table(eyas_counts: dict, vllm_counts: dict | None, oracle: dict |
     (eu, ec), (vu, vc) = rates(eyas_counts), rates(vllm_counts)
     rows = []
     for j in range(k):
-        row = {"position": j + 1, "eyas_count": eyas_counts["accepted_per_pos"][j],
-               "vllm_count": vllm_counts["accepted_per_pos"][j] if vllm_counts else None,
-               "eyas_rate": eu[j], "vllm_rate": vu[j], "eyas_conditional": ec[j], "vllm_conditional": vc[j]}
+        row = {
+            "position": j + 1,
+            "eyas_count": eyas_counts["accepted_per_pos"][j],
+            "vllm_count": vllm_counts["accepted_per_pos"][j] if vllm_counts else None,
+            "eyas_rate": eu[j],
+            "vllm_rate": vu[j],
+            "eyas_conditional": ec[j],
+            "vllm_conditional": vc[j],
+        }
         if oracle:
             row["oracle_count"] = oracle["accepted_per_pos"][j]
         rows.append(row)
@@ -216,9 +264,16 @@ class EyasSide:
         from eyas.eval.speculate import HeadDrafter, speculative_decode
 
         drafter = HeadDrafter(head.float().eval())
-        traces = [speculative_decode(self.model, ids, drafter, self.k, self.max_tokens, set()) for ids in self.prompt_ids]
-        return {"traces": traces, "summary": summarize(traces, self.k), "counts": counts_from_traces(traces, self.k),
-                "outputs": [tr.tokens for tr in traces]}
+        traces = [
+            speculative_decode(self.model, ids, drafter, self.k, self.max_tokens, set())
+            for ids in self.prompt_ids
+        ]
+        return {
+            "traces": traces,
+            "summary": summarize(traces, self.k),
+            "counts": counts_from_traces(traces, self.k),
+            "outputs": [tr.tokens for tr in traces],
+        }
 
     @torch.no_grad()
     def lens_oracle(self, head, build_kwargs: dict) -> tuple[dict, int]:
@@ -233,8 +288,9 @@ class EyasSide:
             seq = ids + out
             states = self.lens_states(seq)
             slots = torch.arange(len(ids) - 1, len(seq) - 1)  # slot of out[i] = len(ids) - 1 + i
-            guesses = reference_drafts(self.model, states[slots], self.k, algorithm=head.config.algorithm,
-                                       **build_kwargs)
+            guesses = reference_drafts(
+                self.model, states[slots], self.k, algorithm=head.config.algorithm, **build_kwargs
+            )
             ht = states.shape[-1]
             aux = torch.zeros(len(slots), 1, n_aux * ht)
             aux[:, 0, -ht:] = states[slots]
@@ -243,11 +299,15 @@ class EyasSide:
             bad += int((got != guesses).any(-1).sum())
             r = replay_oracle(out, guesses, self.k, self.max_tokens)
             oracle["drafts"] += r["drafts"]
-            oracle["accepted_per_pos"] = [a + b for a, b in zip(oracle["accepted_per_pos"], r["accepted_per_pos"])]
+            oracle["accepted_per_pos"] = [
+                a + b for a, b in zip(oracle["accepted_per_pos"], r["accepted_per_pos"])
+            ]
         return oracle, bad
 
 
-def export_with_eyas(head, spec: HeadSpec, work: Path, verifier: str, dtype=torch.float32) -> tuple[Path, list[str]]:
+def export_with_eyas(
+    head, spec: HeadSpec, work: Path, verifier: str, dtype=torch.float32
+) -> tuple[Path, list[str]]:
     """save_head -> export_checkpoint (what `eyas export` runs) -> validate_export."""
     from eyas.heads.export import export_checkpoint
     from eyas.heads.io import save_head
@@ -279,22 +339,41 @@ def build_spec_head(spec: HeadSpec, side: EyasSide, work: Path, target_dir: Path
         if trained_dir is None:
             raise FileNotFoundError("no trained head: pass --trained-head DIR (or run scripts/quickstart.sh)")
         head = load_any_head(trained_dir, target_embed=side.embed)
-        head.config = head.config.model_copy(update={"speculative_tokens": side.k, "verifier_name_or_path": str(target_dir)})
-        out = export_head(head, work / "heads" / spec.name, fmt=spec.fmt, dtype=torch.bfloat16, verifier=str(target_dir))
+        head.config = head.config.model_copy(
+            update={"speculative_tokens": side.k, "verifier_name_or_path": str(target_dir)}
+        )
+        out = export_head(
+            head, work / "heads" / spec.name, fmt=spec.fmt, dtype=torch.bfloat16, verifier=str(target_dir)
+        )
         return out, validate_export(out), None, None
     kw = lens_build_kwargs(spec, side)
     mask_id = None
     if spec.algorithm == "peagle":
         mask_id = choose_mask_token_id(side.target.tokenizer, side.embed.shape[0])
-    head = build_lens_head(side.model, algorithm=spec.algorithm, num_hidden_layers=spec.num_hidden_layers,
-                           speculative_tokens=side.k, verifier=str(target_dir), mask_token_id=mask_id, **kw)
+    head = build_lens_head(
+        side.model,
+        algorithm=spec.algorithm,
+        num_hidden_layers=spec.num_hidden_layers,
+        speculative_tokens=side.k,
+        verifier=str(target_dir),
+        mask_token_id=mask_id,
+        **kw,
+    )
     oracle, ref_bad = side.lens_oracle(head, kw)
     out, problems = export_with_eyas(head, spec, work, str(target_dir))
     return out, problems, ref_bad, oracle
 
 
-def compare(spec: HeadSpec, eyas: dict, vllm: dict, plain_vllm: dict | None, oracle: dict | None,
-            k: int, max_tokens: int, tolerance: float) -> dict:
+def compare(
+    spec: HeadSpec,
+    eyas: dict,
+    vllm: dict,
+    plain_vllm: dict | None,
+    oracle: dict | None,
+    k: int,
+    max_tokens: int,
+    tolerance: float,
+) -> dict:
     """The checks of one head; every entry is {"ok": bool, ...}."""
     checks = {"vllm_loads": {"ok": bool(vllm.get("ok")), "error": vllm.get("error")}}
     if not vllm.get("ok"):
@@ -310,44 +389,74 @@ def compare(spec: HeadSpec, eyas: dict, vllm: dict, plain_vllm: dict | None, ora
     exact = spec.kind == "lens"
     if exact:
         same = ec["drafts"] == vc["drafts"] and ec["accepted_per_pos"] == vc["accepted_per_pos"]
-        checks["acceptance_exact"] = {"ok": same, "eyas": ec, "vllm": {k_: vc[k_] for k_ in ("drafts", "accepted_per_pos")}}
+        checks["acceptance_exact"] = {
+            "ok": same,
+            "eyas": ec,
+            "vllm": {k_: vc[k_] for k_ in ("drafts", "accepted_per_pos")},
+        }
     else:
         gaps = []
         for j in range(k):
             e = ec["accepted_per_pos"][j] / ec["drafts"] if ec["drafts"] else 0.0
             v = vc["accepted_per_pos"][j] / vc["drafts"] if vc["drafts"] else 0.0
             gaps.append(round(abs(e - v), 4))
-        checks["acceptance_within_tolerance"] = {"ok": max(gaps) <= tolerance, "max_gap": max(gaps),
-                                                 "tolerance": tolerance, "gaps": gaps}
+        checks["acceptance_within_tolerance"] = {
+            "ok": max(gaps) <= tolerance,
+            "max_gap": max(gaps),
+            "tolerance": tolerance,
+            "gaps": gaps,
+        }
     if oracle is not None:
         checks["oracle_equals_eyas"] = {"ok": oracle == ec, "oracle": oracle}
     return checks
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="heads: " + "; ".join(f"{n}: {h.description}" for n, h in HEADS.items()),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="heads: " + "; ".join(f"{n}: {h.description}" for n, h in HEADS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--heads", help=f"comma-separated subset of: {', '.join(HEADS)} (default: all)")
-    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)} and no serve check "
-                        "(3 engine starts instead of ~9)")
-    parser.add_argument("--trained-head", help="a trained head (eyas checkpoint or export) for the 'trained' check "
-                        "(default: runs/smollm2-135m-eagle3/export when it exists; otherwise that check is skipped and reported)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"only {', '.join(QUICK)} and no serve check (3 engine starts instead of ~9)",
+    )
+    parser.add_argument(
+        "--trained-head",
+        help="a trained head (eyas checkpoint or export) for the 'trained' check "
+        "(default: runs/smollm2-135m-eagle3/export when it exists; otherwise that check is skipped and "
+        "reported)",
+    )
     parser.add_argument("--no-serve", action="store_true", help="skip the `vllm serve DIR` check")
     parser.add_argument("--k", type=int, default=3, help="draft tokens per step (default 3)")
     parser.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per prompt (default 48)")
-    parser.add_argument("--num-prompts", type=int, default=len(PROMPTS), help=f"prompts used (default {len(PROMPTS)})")
-    parser.add_argument("--tolerance", type=float, default=0.05,
-                        help="allowed gap between eyas and vLLM per-position acceptance for trained heads (default 0.05)")
-    parser.add_argument("--work-dir", default=str(ROOT / "runs" / "vllm_check"),
-                        help="exports, runner jobs and vLLM logs (default runs/vllm_check)")
+    parser.add_argument(
+        "--num-prompts", type=int, default=len(PROMPTS), help=f"prompts used (default {len(PROMPTS)})"
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="allowed gap between eyas and vLLM per-position acceptance for trained heads (default 0.05)",
+    )
+    parser.add_argument(
+        "--work-dir",
+        default=str(ROOT / "runs" / "vllm_check"),
+        help="exports, runner jobs and vLLM logs (default runs/vllm_check)",
+    )
     parser.add_argument("--json-out", help="also write the JSON report here")
     parser.add_argument("--skip-setup", action="store_true", help="do not run scripts/setup_vllm_env.sh")
     parser.add_argument("--engine-timeout", type=float, default=1500, help="seconds one vLLM engine may take")
     parser.add_argument("--port", type=int, default=18123, help="localhost port for the serve check")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads for eyas's side (default 1: on a shared CPU two spinning OpenMP "
-                        "threads are slower than one)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for eyas's side (default 1: on a shared CPU two spinning OpenMP "
+        "threads are slower than one)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -377,15 +486,33 @@ def main(argv: list[str] | None = None) -> int:
     prompts = PROMPTS[: args.num_prompts]
     log(f"eyas: float32 target, plain greedy on {len(prompts)} prompts")
     side = EyasSide(target_dir, prompts, args.k, args.max_tokens)
-    base_job = {"model": str(target_dir), "dtype": "float32", "max_model_len": 1024, "prompts": side.prompt_ids,
-                "max_tokens": args.max_tokens, "ignore_eos": True}
+    base_job = {
+        "model": str(target_dir),
+        "dtype": "float32",
+        "max_model_len": 1024,
+        "prompts": side.prompt_ids,
+        "max_tokens": args.max_tokens,
+        "ignore_eos": True,
+    }
 
-    report = {"target": str(target_dir), "dtype": "float32", "k": args.k, "max_tokens": args.max_tokens,
-              "prompts": prompts, "heads": {}, "checks_failed": [], "skipped": []}
+    report = {
+        "target": str(target_dir),
+        "dtype": "float32",
+        "k": args.k,
+        "max_tokens": args.max_tokens,
+        "prompts": prompts,
+        "heads": {},
+        "checks_failed": [],
+        "skipped": [],
+    }
     log("vLLM: plain greedy (no speculation)")
     plain = run_vllm({**base_job, "max_tokens": args.max_tokens + args.k}, work, "plain", args.engine_timeout)
-    report["plain"] = {"ok": plain.get("ok"), "error": plain.get("error"), "startup_s": plain.get("startup_s"),
-                       "vllm_equals_transformers_fp32": plain.get("ok") and plain["outputs"] == side.plain}
+    report["plain"] = {
+        "ok": plain.get("ok"),
+        "error": plain.get("error"),
+        "startup_s": plain.get("startup_s"),
+        "vllm_equals_transformers_fp32": plain.get("ok") and plain["outputs"] == side.plain,
+    }
     if not plain.get("ok"):
         report["checks_failed"].append("plain: vLLM failed to run the target")
 
@@ -413,13 +540,20 @@ def main(argv: list[str] | None = None) -> int:
         lossless = [i for i, (a, b) in enumerate(zip(ey["outputs"], side.plain)) if a != b[: args.max_tokens]]
         checks["eyas_greedy_lossless"] = {"ok": not lossless, "differing_prompts": lossless}
         log(f"{name}: vLLM speculative decoding ({spec.algorithm}, {spec.fmt})")
-        vl = run_vllm({**base_job, "speculative_config": speculative_config(spec, head_dir, args.k)}, work, name,
-                      args.engine_timeout)
+        vl = run_vllm(
+            {**base_job, "speculative_config": speculative_config(spec, head_dir, args.k)},
+            work,
+            name,
+            args.engine_timeout,
+        )
         checks.update(compare(spec, ey, vl, plain, oracle, args.k, args.max_tokens, args.tolerance))
         entry["vllm_startup_s"] = vl.get("startup_s")
-        entry["eyas_summary"] = {key: ey["summary"].get(key) for key in ("tau", "tar", "per_position_acceptance")}
-        entry["acceptance_table"] = acceptance_table(ey["counts"], vl.get("metrics") if vl.get("ok") else None,
-                                                     oracle, args.k)
+        entry["eyas_summary"] = {
+            key: ey["summary"].get(key) for key in ("tau", "tar", "per_position_acceptance")
+        }
+        entry["acceptance_table"] = acceptance_table(
+            ey["counts"], vl.get("metrics") if vl.get("ok") else None, oracle, args.k
+        )
         entry["checks"] = checks
         for cname, c in checks.items():
             if not c["ok"]:
@@ -433,15 +567,36 @@ def main(argv: list[str] | None = None) -> int:
             head_dir, _, _, _ = build_spec_head(spec, side, work, target_dir, trained_dir)
         log(f"vllm serve {head_dir} on 127.0.0.1:{args.port}")
         prompt = prompts[2 % len(prompts)]
-        sv = run_vllm({"mode": "serve", "model": str(head_dir), "dtype": "float32", "max_model_len": 1024,
-                       "port": args.port, "prompt": prompt, "max_tokens": 16, "log": str(work / "serve.log"),
-                       "timeout_s": args.engine_timeout - 60}, work, "serve", args.engine_timeout)
+        sv = run_vllm(
+            {
+                "mode": "serve",
+                "model": str(head_dir),
+                "dtype": "float32",
+                "max_model_len": 1024,
+                "port": args.port,
+                "prompt": prompt,
+                "max_tokens": 16,
+                "log": str(work / "serve.log"),
+                "timeout_s": args.engine_timeout - 60,
+            },
+            work,
+            "serve",
+            args.engine_timeout,
+        )
         expected = side.target.tokenizer.decode(side.plain[2 % len(prompts)][:16], skip_special_tokens=True)
         ok = bool(sv.get("ok")) and sv.get("completion") == expected
-        report["serve"] = {"ok": ok, "head": str(head_dir), "completion": sv.get("completion"),
-                           "expected_plain_greedy": expected, "error": sv.get("error"), "startup_s": sv.get("startup_s")}
+        report["serve"] = {
+            "ok": ok,
+            "head": str(head_dir),
+            "completion": sv.get("completion"),
+            "expected_plain_greedy": expected,
+            "error": sv.get("error"),
+            "startup_s": sv.get("startup_s"),
+        }
         if not ok:
-            report["checks_failed"].append("serve: `vllm serve DIR` did not answer the plain greedy completion")
+            report["checks_failed"].append(
+                "serve: `vllm serve DIR` did not answer the plain greedy completion"
+            )
 
     report["passed"] = not report["checks_failed"]
     text = json.dumps(report, indent=2)

@@ -59,13 +59,23 @@ def build_lens_head(
     tc = text_config(model.config)
     ht, vt = tc.hidden_size, model.get_output_embeddings().weight.shape[0]
     vd = vt if draft_ids is None else int(draft_ids.numel())
-    options = dict(fc_norm=fc_norm, norm_output=norm_output, norm_before_residual=norm_before_residual,
-                   speculative_tokens=speculative_tokens)
+    options = dict(
+        fc_norm=fc_norm,
+        norm_output=norm_output,
+        norm_before_residual=norm_before_residual,
+        speculative_tokens=speculative_tokens,
+    )
     if algorithm == "peagle":
         options["mask_token_id"] = mask_token_id
-    cfg = head_config_from_target(tc, aux_layer_ids=lens_aux_layer_ids(tc.num_hidden_layers), draft_vocab_size=vd,
-                                  algorithm=algorithm, num_hidden_layers=num_hidden_layers,
-                                  verifier_name_or_path=verifier, **options)
+    cfg = head_config_from_target(
+        tc,
+        aux_layer_ids=lens_aux_layer_ids(tc.num_hidden_layers),
+        draft_vocab_size=vd,
+        algorithm=algorithm,
+        num_hidden_layers=num_hidden_layers,
+        verifier_name_or_path=verifier,
+        **options,
+    )
     torch.manual_seed(seed)
     head = build_head(cfg).float()
     if draft_ids is not None:
@@ -74,10 +84,12 @@ def build_lens_head(
         t2d[draft_ids] = True
         head.set_vocab_map(draft_ids - torch.arange(vd), t2d)
     norm, lm_head = target_norm_and_lm_head(model)
-    head.init_from_target(model.get_input_embeddings().weight.float(), lm_head.weight.float(), norm.weight.float())
+    head.init_from_target(
+        model.get_input_embeddings().weight.float(), lm_head.weight.float(), norm.weight.float()
+    )
     n = cfg.num_aux
     fc = torch.zeros(cfg.hidden_size, n * ht)
-    fc[:, (n - 1) * ht:] = torch.eye(ht)
+    fc[:, (n - 1) * ht :] = torch.eye(ht)
     head.fc.weight.copy_(fc)
     for layer in head.layers:
         layer.self_attn.o_proj.weight.zero_()
@@ -86,7 +98,7 @@ def build_lens_head(
         if mask_state is None:
             raise ValueError("a P-EAGLE lens head needs mask_state [Ht]")
         mh = torch.zeros(1, n * ht)
-        mh[0, (n - 1) * ht:] = mask_state.float()
+        mh[0, (n - 1) * ht :] = mask_state.float()
         head.mask_hidden.copy_(mh)
     return head.eval()
 
@@ -96,8 +108,18 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reference_drafts(model, states: torch.Tensor, k: int, *, algorithm="eagle3", draft_ids=None, fc_norm=False,
-                     norm_output=False, norm_before_residual=False, mask_state=None) -> torch.Tensor:
+def reference_drafts(
+    model,
+    states: torch.Tensor,
+    k: int,
+    *,
+    algorithm="eagle3",
+    draft_ids=None,
+    fc_norm=False,
+    norm_output=False,
+    norm_before_residual=False,
+    mask_state=None,
+) -> torch.Tensor:
     """The lens head's drafts written out by hand: states [N, Ht] the target's layer L-1
     inputs at N verified slots -> draft target ids [N, k]."""
     tc = text_config(model.config)

@@ -54,13 +54,20 @@ def run_generate(job: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     t0 = time.time()
-    llm = LLM(model=job["model"], tokenizer=job.get("tokenizer") or job["model"], dtype=job.get("dtype", "float32"),
-              enforce_eager=True, max_model_len=job.get("max_model_len", 1024),
-              speculative_config=job.get("speculative_config"), disable_log_stats=False,
-              seed=0)
+    llm = LLM(
+        model=job["model"],
+        tokenizer=job.get("tokenizer") or job["model"],
+        dtype=job.get("dtype", "float32"),
+        enforce_eager=True,
+        max_model_len=job.get("max_model_len", 1024),
+        speculative_config=job.get("speculative_config"),
+        disable_log_stats=False,
+        seed=0,
+    )
     t1 = time.time()
-    params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 48),
-                            ignore_eos=bool(job.get("ignore_eos", True)))
+    params = SamplingParams(
+        temperature=0.0, max_tokens=job.get("max_tokens", 48), ignore_eos=bool(job.get("ignore_eos", True))
+    )
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in job["prompts"]]
     results = llm.generate(prompts, params, use_tqdm=False)
     t2 = time.time()
@@ -75,7 +82,9 @@ def run_generate(job: dict) -> dict:
 
 
 def _post_json(url: str, body: dict, timeout: float) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
@@ -85,13 +94,33 @@ def run_serve(job: dict) -> dict:
     port = int(job.get("port", 18123))
     base = f"http://127.0.0.1:{port}"
     log_path = Path(job.get("log", "vllm_serve.log"))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--vllm-cli", "serve", job["model"], "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", job.get("dtype", "float32"), "--enforce-eager",
-           "--max-model-len", str(job.get("max_model_len", 1024)), "--served-model-name", "head"]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--vllm-cli",
+        "serve",
+        job["model"],
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        job.get("dtype", "float32"),
+        "--enforce-eager",
+        "--max-model-len",
+        str(job.get("max_model_len", 1024)),
+        "--served-model-name",
+        "head",
+    ]
     t0 = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"))
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"),
+        )
     try:
         deadline = t0 + float(job.get("timeout_s", 900))
         while True:
@@ -107,11 +136,20 @@ def run_serve(job: dict) -> dict:
                 raise TimeoutError("vllm serve did not become ready in time")
             time.sleep(2)
         startup = time.time() - t0
-        body = {"model": "head", "prompt": job.get("prompt", "The capital of France is"),
-                "max_tokens": job.get("max_tokens", 16), "temperature": 0.0}
+        body = {
+            "model": "head",
+            "prompt": job.get("prompt", "The capital of France is"),
+            "max_tokens": job.get("max_tokens", 16),
+            "temperature": 0.0,
+        }
         reply = _post_json(base + "/v1/completions", body, timeout=300)
-        return {"ok": True, "completion": reply["choices"][0]["text"], "usage": reply.get("usage"),
-                "startup_s": round(startup, 1), "command": cmd}
+        return {
+            "ok": True,
+            "completion": reply["choices"][0]["text"],
+            "usage": reply.get("usage"),
+            "startup_s": round(startup, 1),
+            "command": cmd,
+        }
     finally:
         proc.terminate()
         try:
@@ -121,14 +159,17 @@ def run_serve(job: dict) -> dict:
             proc.wait()
 
 
-def local_serve_command(model_dir: str, port: int, dtype: str = "float32", max_model_len: int = 1024,
-                        eager: bool = True) -> str:
+def local_serve_command(
+    model_dir: str, port: int, dtype: str = "float32", max_model_len: int = 1024, eager: bool = True
+) -> str:
     """The `data.regenerate.launch` line that serves `model_dir` on 127.0.0.1 from
     .venv-vllm's CPU build (2 GiB KV cache: by default it asks for 92% of a NUMA node)."""
     root = Path(__file__).resolve().parent.parent
-    return (f"VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 {root / '.venv-vllm' / 'bin' / 'python'} "
-            f"{Path(__file__).resolve()} --vllm-cli serve {model_dir} --host 127.0.0.1 --port {port} "
-            f"--dtype {dtype} --max-model-len {max_model_len} --seed 0" + (" --enforce-eager" if eager else ""))
+    return (
+        f"VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 {root / '.venv-vllm' / 'bin' / 'python'} "
+        f"{Path(__file__).resolve()} --vllm-cli serve {model_dir} --host 127.0.0.1 --port {port} "
+        f"--dtype {dtype} --max-model-len {max_model_len} --seed 0" + (" --enforce-eager" if eager else "")
+    )
 
 
 def vllm_cli(argv: list[str]) -> int:
@@ -151,7 +192,11 @@ def main(argv: list[str]) -> int:
     try:
         result = run_serve(job) if job.get("mode") == "serve" else run_generate(job)
     except Exception as err:  # the orchestrator reports it next to the head's name
-        result = {"ok": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-6000:]}
+        result = {
+            "ok": False,
+            "error": f"{type(err).__name__}: {err}",
+            "traceback": traceback.format_exc()[-6000:],
+        }
     Path(argv[1]).write_text(json.dumps(result))
     return 0 if result["ok"] else 1
 

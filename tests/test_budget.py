@@ -26,10 +26,21 @@ def test_durations():
 
 def rates(speed: float = 1.0) -> Rates:
     """Rates of a machine `speed` times slower than a quickstart-like one."""
-    return Rates(conversations_read=5400, regenerable=4000, probe_conversations=256, regen_batch_s=35.0 * speed,
-                 samples_per_conversation=0.98, sample_tokens=185.0, samples_per_step=7.9, step_s=0.37 * speed,
-                 later_step_s=0.30 * speed, train_warmup_s=5.0 * speed,
-                 capture_s_per_token=1.2e-4 * speed, decode_s_per_token=0.044 * speed, stage_start_s=10.0)
+    return Rates(
+        conversations_read=5400,
+        regenerable=4000,
+        probe_conversations=256,
+        regen_batch_s=35.0 * speed,
+        samples_per_conversation=0.98,
+        sample_tokens=185.0,
+        samples_per_step=7.9,
+        step_s=0.37 * speed,
+        later_step_s=0.30 * speed,
+        train_warmup_s=5.0 * speed,
+        capture_s_per_token=1.2e-4 * speed,
+        decode_s_per_token=0.044 * speed,
+        stage_start_s=10.0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +61,9 @@ def test_estimates_grow_with_conversations_and_epochs(recipe):
     assert longer["prepare"] == base["prepare"] and longer["train"] > 1.5 * (base["train"] - 15.0)
     # later epochs cost their own (cheaper) step
     slower_later = estimate(replace(r, later_step_s=r.step_s), recipe, 2000, 4)
-    assert slower_later["train"] > longer["train"] and estimate(replace(r, later_step_s=r.step_s), recipe, 2000, 1) \
-        == estimate(r, recipe, 2000, 1)
+    assert slower_later["train"] > longer["train"] and estimate(
+        replace(r, later_step_s=r.step_s), recipe, 2000, 1
+    ) == estimate(r, recipe, 2000, 1)
     assert base["eval"] == more["eval"] > 0
     # the probe's batch is already regenerated: prepare does the rest only
     assert estimate(r, recipe, 5400, 4)["prepare"] == pytest.approx(10.0 + (4000 - 256) / 256 * 35.0)
@@ -100,7 +112,12 @@ def test_keys_the_user_set_are_kept(recipe):
 
 
 def test_the_report_sets_each_stage_against_its_estimate_and_share():
-    sized = {"budget_s": 1800, "spent_before_s": 60, "probe_s": 50, "estimates_s": {"prepare": 500, "train": 700}}
+    sized = {
+        "budget_s": 1800,
+        "spent_before_s": 60,
+        "probe_s": 50,
+        "estimates_s": {"prepare": 500, "train": 700},
+    }
     text = report(sized, {"setup": 60, "sizing": 50, "prepare": 540, "train": 650})
     rows = {line.split()[0]: line.split() for line in text.splitlines()}
     assert rows["prepare"][1:4] == ["9.0m", "8.3m", "30%"]
@@ -111,16 +128,33 @@ def test_the_report_sets_each_stage_against_its_estimate_and_share():
 
 
 def test_probe_sizes_the_run_and_prepare_keeps_its_replies(tiny_llama_dir, tmp_path, capsys, caplog):
-    rows = [{"conversations": [{"from": "human", "value": f"question {k} " + "word " * (k % 13)},
-                               {"from": "gpt", "value": "an answer"}]} for k in range(120)]
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"question {k} " + "word " * (k % 13)},
+                {"from": "gpt", "value": "an answer"},
+            ]
+        }
+        for k in range(120)
+    ]
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     run = tmp_path / "run"
-    common = [f"run_dir={run}", f"target.name_or_path={tiny_llama_dir}", f"data.sources=[{corpus}]",
-              "data.max_samples=120", "data.regenerate.batch_size=16", "data.regenerate.max_new_tokens=8",
-              "data.max_length=96", "head.draft_vocab_size=64", "data.aux_layer_ids=[1,2,3]",
-              "target.dtype=float32"]
-    assert main(["budget", "--no-progress", "-r", QUICKSTART, "--budget", "20m", "--spent", "30", *common]) == 0
+    common = [
+        f"run_dir={run}",
+        f"target.name_or_path={tiny_llama_dir}",
+        f"data.sources=[{corpus}]",
+        "data.max_samples=120",
+        "data.regenerate.batch_size=16",
+        "data.regenerate.max_new_tokens=8",
+        "data.max_length=96",
+        "head.draft_vocab_size=64",
+        "data.aux_layer_ids=[1,2,3]",
+        "target.dtype=float32",
+    ]
+    assert (
+        main(["budget", "--no-progress", "-r", QUICKSTART, "--budget", "20m", "--spent", "30", *common]) == 0
+    )
     out = capsys.readouterr()
     sized = json.loads((run / "budget.json").read_text())
     # max_samples was set by the user: only the epochs are sized, and printed for the stages
@@ -144,16 +178,43 @@ def test_probe_sizes_the_run_and_prepare_keeps_its_replies(tiny_llama_dir, tmp_p
     assert lines[:16] == probe_records and len(lines) == 120
     assert len({json.loads(x)["index"] for x in lines}) == 120
     capsys.readouterr()
-    assert main(["budget", "-r", QUICKSTART, "--budget", "20m", "--report", "setup=30", "prepare=12.5",
-                 f"run_dir={run}"]) == 0
+    assert (
+        main(
+            [
+                "budget",
+                "-r",
+                QUICKSTART,
+                "--budget",
+                "20m",
+                "--report",
+                "setup=30",
+                "prepare=12.5",
+                f"run_dir={run}",
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert "prepare" in table and "within the budget of 20 min" in table
     assert json.loads((run / "budget.json").read_text())["took_s"] == {"setup": 30.0, "prepare": 12.5}
 
 
 def test_the_budget_needs_a_limit_to_size(tiny_llama_dir, tmp_path, capsys):
-    assert main(["budget", "-r", QUICKSTART, "--budget", "20m", f"run_dir={tmp_path}/run",
-                 f"target.name_or_path={tiny_llama_dir}", "data.max_samples=null"]) == 1
+    assert (
+        main(
+            [
+                "budget",
+                "-r",
+                QUICKSTART,
+                "--budget",
+                "20m",
+                f"run_dir={tmp_path}/run",
+                f"target.name_or_path={tiny_llama_dir}",
+                "data.max_samples=null",
+            ]
+        )
+        == 1
+    )
     assert "data.max_samples" in capsys.readouterr().err
     assert main(["budget", "-r", QUICKSTART, "--budget", "soon"]) == 2
     assert "30m" in capsys.readouterr().err

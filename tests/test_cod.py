@@ -15,7 +15,9 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("n,depths,r,r_min", [(40, 8, 0.8, 0.2), (23, 5, 0.7, 0.0), (12, 10, 0.5, 0.3), (9, 4, 1.0, 0.0)])
+@pytest.mark.parametrize(
+    "n,depths,r,r_min", [(40, 8, 0.8, 0.2), (23, 5, 0.7, 0.0), (12, 10, 0.5, 0.3), (9, 4, 1.0, 0.0)]
+)
 def test_cod_sample_properties(n, depths, r, r_min):
     kept = cod_sample(n, depths, r, r_min, _gen(3))
     assert len(kept) == depths

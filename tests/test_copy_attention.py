@@ -53,9 +53,20 @@ def test_padding_is_never_a_source_or_a_query():
 
 
 def _cfg():
-    return DraftHeadConfig(hidden_size=32, target_hidden_size=24, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=8, intermediate_size=64, vocab_size=64, draft_vocab_size=64,
-                           aux_layer_ids=[1, 2, 3], target_num_layers=4, rms_norm_eps=1e-6, fc_norm=True)
+    return DraftHeadConfig(
+        hidden_size=32,
+        target_hidden_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=64,
+        draft_vocab_size=64,
+        aux_layer_ids=[1, 2, 3],
+        target_num_layers=4,
+        rms_norm_eps=1e-6,
+        fc_norm=True,
+    )
 
 
 def _copy_batch(gen, table, b=8, t=48):
@@ -141,8 +152,12 @@ def test_eagle3_loss_adds_the_weighted_copy_term(weight):
     logits = torch.randn(b, t, 64)
     labels = TargetLabels(logits=logits, argmax=logits.argmax(-1), valid=torch.ones(b, t, dtype=torch.bool))
     base = eagle3_loss(head, batch, labels, TrainSection(ttt_steps=2, compile_loss="off")).loss
-    got = eagle3_loss(head, batch, labels, TrainSection(ttt_steps=2, compile_loss="off", copy_attention_steps=2,
-                                                        copy_attention_weight=weight)).loss
+    got = eagle3_loss(
+        head,
+        batch,
+        labels,
+        TrainSection(ttt_steps=2, compile_loss="off", copy_attention_steps=2, copy_attention_weight=weight),
+    ).loss
     expected = base + weight * _copy_loss(head, batch, steps=2, decay=0.8)[0]
     assert torch.allclose(got, expected)
     assert (weight == 0) == bool(torch.allclose(got, base))

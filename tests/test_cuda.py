@@ -20,17 +20,26 @@ from eyas.train.cod import cod_grid, compact, element_inputs
 from eyas.train.masks import peagle_block_mask, peagle_dense_mask
 from eyas.train.ttt import ttt_unroll
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 V, AUX = 300, 3 * 48
 
 
 def _cfg(**kw):
     # head_dim 64: the flex path then runs with eyas's kernel options (flex_kernel_options)
-    base = dict(hidden_size=64, target_hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                intermediate_size=128, vocab_size=V, draft_vocab_size=V, aux_layer_ids=[1, 2, 3],
-                target_num_layers=4, rms_norm_eps=1e-6)
+    base = dict(
+        hidden_size=64,
+        target_hidden_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=128,
+        vocab_size=V,
+        draft_vocab_size=V,
+        aux_layer_ids=[1, 2, 3],
+        target_num_layers=4,
+        rms_norm_eps=1e-6,
+    )
     base.update(kw)
     return DraftHeadConfig(**base)
 
@@ -110,8 +119,10 @@ def test_peagle_flex_block_mask_forward_and_backward_match_the_dense_mask():
         torch.testing.assert_close(flex_g[name], dense_g[name], rtol=1e-3, atol=1e-3, msg=name)
 
 
-@pytest.mark.parametrize("family,algorithm,features", [("llama", "eagle3", "offline"), ("gpt_oss", "eagle3", "online"),
-                                                       ("qwen3_moe", "peagle", "offline")])
+@pytest.mark.parametrize(
+    "family,algorithm,features",
+    [("llama", "eagle3", "offline"), ("gpt_oss", "eagle3", "online"), ("qwen3_moe", "peagle", "offline")],
+)
 def test_pipeline_on_cuda_in_bf16(family, algorithm, features, tmp_path):
     """prepare (replies regenerated on the GPU) -> capture (or online features, as the
     flagship recipes train) -> train (bf16 autocast) -> export (validated) -> eval on the
@@ -122,22 +133,55 @@ def test_pipeline_on_cuda_in_bf16(family, algorithm, features, tmp_path):
     target_dir = save_tiny_target(family, tmp_path / "target")
     write_conversations(tmp_path / "conversations.jsonl", n=48)
     workload = tmp_path / "workload.jsonl"
-    workload.write_text("\n".join(json.dumps({"turns": [f"tell me about the {w} {w}", "and then?"], "category": w})
-                                  for w in ("cat", "tree", "bird")))
+    workload.write_text(
+        "\n".join(
+            json.dumps({"turns": [f"tell me about the {w} {w}", "and then?"], "category": w})
+            for w in ("cat", "tree", "bird")
+        )
+    )
     run = tmp_path / "run"
     recipe = {
-        "name": "cuda-check", "run_dir": str(run),
+        "name": "cuda-check",
+        "run_dir": str(run),
         "target": {"name_or_path": str(target_dir), "dtype": "bfloat16", "device": "cuda"},
-        "data": {"sources": [str(tmp_path / "conversations.jsonl")], "eval_fraction": 0.1, "max_length": 256,
-                 "regenerate": {"enabled": True, "max_new_tokens": 32, "batch_size": 16}, "features": features,
-                 "shard_tokens": 2048, "capture_batch_tokens": 1024},
-        "head": {"algorithm": algorithm, "draft_vocab_size": 128, "speculative_tokens": 3,
-                 **({"num_layers": 2} if algorithm == "peagle" else {"fc_norm": True})},
-        "train": {"learning_rate": 3e-3, "warmup_steps": 2, "max_steps": 30, "batch_tokens": 1024,
-                  "max_batch_size": 16, "ttt_steps": 3, "num_depths": 4, "eval_every": 15, "save_every": 15,
-                  "log_every": 5, "mixed_precision": "bf16", "logger": "jsonl", "compile_loss": "on"},
-        "eval": {"workload": str(workload), "k": 3, "max_new_tokens": 24, "dtype": "float32",
-                 "ngram_min": 1, "ngram_max": 3},
+        "data": {
+            "sources": [str(tmp_path / "conversations.jsonl")],
+            "eval_fraction": 0.1,
+            "max_length": 256,
+            "regenerate": {"enabled": True, "max_new_tokens": 32, "batch_size": 16},
+            "features": features,
+            "shard_tokens": 2048,
+            "capture_batch_tokens": 1024,
+        },
+        "head": {
+            "algorithm": algorithm,
+            "draft_vocab_size": 128,
+            "speculative_tokens": 3,
+            **({"num_layers": 2} if algorithm == "peagle" else {"fc_norm": True}),
+        },
+        "train": {
+            "learning_rate": 3e-3,
+            "warmup_steps": 2,
+            "max_steps": 30,
+            "batch_tokens": 1024,
+            "max_batch_size": 16,
+            "ttt_steps": 3,
+            "num_depths": 4,
+            "eval_every": 15,
+            "save_every": 15,
+            "log_every": 5,
+            "mixed_precision": "bf16",
+            "logger": "jsonl",
+            "compile_loss": "on",
+        },
+        "eval": {
+            "workload": str(workload),
+            "k": 3,
+            "max_new_tokens": 24,
+            "dtype": "float32",
+            "ngram_min": 1,
+            "ngram_max": 3,
+        },
     }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))

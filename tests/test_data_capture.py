@@ -34,7 +34,7 @@ def test_features_equal_hidden_states_and_prenorm(tiny_target_dir):
     H = target.hidden_size
     assert aux.shape == (2, 10, 3 * H) and last.shape == (2, 10, H)
     for k, i in enumerate(aux_ids):
-        torch.testing.assert_close(aux[..., k * H:(k + 1) * H], out.hidden_states[i], rtol=0, atol=0)
+        torch.testing.assert_close(aux[..., k * H : (k + 1) * H], out.hidden_states[i], rtol=0, atol=0)
     norm, lm_head = target_norm_and_lm_head(target.model)
     torch.testing.assert_close(norm(last), out.hidden_states[-1], rtol=0, atol=0)
     torch.testing.assert_close(lm_head(norm(last)), out.logits, rtol=1e-6, atol=1e-6)
@@ -43,7 +43,7 @@ def test_features_equal_hidden_states_and_prenorm(tiny_target_dir):
 def _toy_split(n=12, seed=0):
     g = torch.Generator().manual_seed(seed)
     rows = []
-    for k in range(n):
+    for _ in range(n):
         T = int(torch.randint(5, 40, (1,), generator=g))
         rows.append(torch.randint(4, 300, (T,), generator=g).tolist())
     return {"input_ids": rows, "loss_mask": [[0] * 3 + [1] * (len(r) - 3) for r in rows]}
@@ -64,8 +64,9 @@ def test_plan_is_length_bucketed():
 def test_capture_roundtrip_and_cache_reader(llama, tmp_path):
     split = _toy_split()
     aux_ids = [2, 4, 5]
-    m = capture_split(llama.model, split, tmp_path / "train", aux_ids, batch_tokens=64, shard_tokens=50,
-                      progress=False)
+    m = capture_split(
+        llama.model, split, tmp_path / "train", aux_ids, batch_tokens=64, shard_tokens=50, progress=False
+    )
     assert m["complete"] and len(m["shards"]) >= 3 and m["num_samples"] == 12
     cache = FeatureCache(tmp_path)  # the cache root works: split "train" by default
     assert len(cache) == 12 and sorted(cache.lengths) == sorted(len(r) for r in split["input_ids"])
@@ -80,8 +81,8 @@ def test_capture_roundtrip_and_cache_reader(llama, tmp_path):
         aux, last = compute_features(llama.model, ids[None], None, aux_ids)
         # the capture ran padded batches, this one sample alone: float32 sums of another
         # blocking may round to the neighbouring bf16 value (seen on AMD EPYC), never further
-        torch.testing.assert_close(s["aux"].float(), aux[0].bfloat16().float(), rtol=2 ** -7, atol=1e-6)
-        torch.testing.assert_close(s["last"].float(), last[0].bfloat16().float(), rtol=2 ** -7, atol=1e-6)
+        torch.testing.assert_close(s["aux"].float(), aux[0].bfloat16().float(), rtol=2**-7, atol=1e-6)
+        torch.testing.assert_close(s["last"].float(), last[0].bfloat16().float(), rtol=2**-7, atol=1e-6)
     assert seen == set(range(12))
 
 
@@ -104,8 +105,15 @@ def test_killed_capture_resumes_to_the_same_manifest(llama, tmp_path):
 
 def test_flipped_byte_is_named_by_verify_and_refused(llama, tmp_path):
     split = _toy_split(seed=2)
-    m = capture_split(llama.model, split, tmp_path / "cache" / "train", [2, 4, 5], batch_tokens=64,
-                      shard_tokens=40, progress=False)
+    m = capture_split(
+        llama.model,
+        split,
+        tmp_path / "cache" / "train",
+        [2, 4, 5],
+        batch_tokens=64,
+        shard_tokens=40,
+        progress=False,
+    )
     victim = tmp_path / "cache" / "train" / m["shards"][1]["file"]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -118,13 +126,23 @@ def test_flipped_byte_is_named_by_verify_and_refused(llama, tmp_path):
     with pytest.raises(DamagedShardError, match=victim.name):
         cache[first_bad]
     # The CLI names it too.
-    out = subprocess.run([sys.executable, "-m", "eyas", "capture", f"run_dir={tmp_path}", "--verify",
-                          "--splits", "train"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "eyas", "capture", f"run_dir={tmp_path}", "--verify", "--splits", "train"],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 1 and victim.name in out.stdout
     # Deleting the damaged shard and rerunning recomputes exactly it.
     victim.unlink()
-    again = capture_split(llama.model, split, tmp_path / "cache" / "train", [2, 4, 5], batch_tokens=64,
-                          shard_tokens=40, progress=False)
+    again = capture_split(
+        llama.model,
+        split,
+        tmp_path / "cache" / "train",
+        [2, 4, 5],
+        batch_tokens=64,
+        shard_tokens=40,
+        progress=False,
+    )
     assert again == m and verify_cache(tmp_path / "cache", "train") == []
 
 

@@ -4,33 +4,62 @@ import json
 
 import pytest
 
-from eyas.data.conversations import (DropReport, NoUsableDataError, iter_json_array, normalize_row,
-                                     read_conversations)
+from eyas.data.conversations import (
+    DropReport,
+    NoUsableDataError,
+    iter_json_array,
+    normalize_row,
+    read_conversations,
+)
 
-GOOD_SHAREGPT = {"id": "a", "conversations": [{"from": "system", "value": "sys"}, {"from": "human", "value": "hi"},
-                                               {"from": "gpt", "value": "hello"}]}
-GOOD_OPENAI = {"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]},
-                            {"role": "assistant", "content": "a", "reasoning_content": "think"}]}
+GOOD_SHAREGPT = {
+    "id": "a",
+    "conversations": [
+        {"from": "system", "value": "sys"},
+        {"from": "human", "value": "hi"},
+        {"from": "gpt", "value": "hello"},
+    ],
+}
+GOOD_OPENAI = {
+    "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "q"}]},
+        {"role": "assistant", "content": "a", "reasoning_content": "think"},
+    ]
+}
 
 
 def test_normalize_rows_and_reasons():
     conv, why = normalize_row(GOOD_SHAREGPT)
     assert why is None and [m["role"] for m in conv] == ["system", "user", "assistant"]
     conv, why = normalize_row(GOOD_OPENAI)
-    assert conv == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": "think"}]
+    assert conv == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "reasoning": "think"},
+    ]
     bad = {
         "unknown_role": {"conversations": [{"from": "alien", "value": "x"}, {"from": "gpt", "value": "y"}]},
         "empty_turn": {"conversations": [{"from": "human", "value": "  "}, {"from": "gpt", "value": "y"}]},
         "no_assistant_turn": {"messages": [{"role": "user", "content": "only"}]},
-        "non_text": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]},
-                                  {"role": "assistant", "content": "y"}]},
+        "non_text": {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": "u"}]},
+                {"role": "assistant", "content": "y"},
+            ]
+        },
         "unrecognized_format": {"text": "plain"},
     }
     for reason, row in bad.items():
         assert normalize_row(row) == (None, reason)
     # A split ShareGPT part that starts with the assistant keeps its later exchange.
-    conv, _ = normalize_row({"conversations": [{"from": "gpt", "value": "x"}, {"from": "human", "value": "q"},
-                                               {"from": "gpt", "value": "a"}]})
+    conv, _ = normalize_row(
+        {
+            "conversations": [
+                {"from": "gpt", "value": "x"},
+                {"from": "human", "value": "q"},
+                {"from": "gpt", "value": "a"},
+            ]
+        }
+    )
     assert [m["content"] for m in conv] == ["q", "a"]
 
 
@@ -45,7 +74,10 @@ def test_truncated_json_array_yields_whole_records(tmp_path):
     assert got == rows[:2]
     assert report.dropped == {"truncated_record": 1}
     convs, report = read_conversations([str(path)])
-    assert len(convs) == 1 and report.as_dict()["dropped"] == {"truncated_record": 1, "unrecognized_format": 1}
+    assert len(convs) == 1 and report.as_dict()["dropped"] == {
+        "truncated_record": 1,
+        "unrecognized_format": 1,
+    }
 
 
 def test_jsonl_with_bad_lines_and_nothing_usable_is_an_error(tmp_path):
@@ -81,28 +113,40 @@ def test_shipped_sharegpt_file_recovers_whole_records():
 def test_a_malformed_record_in_a_json_array_loses_only_itself(tmp_path, chunk_chars, caplog):
     good = json.dumps(GOOD_SHAREGPT)
     # an invalid value, an invalid escape and a bare word inside balanced brackets
-    bad = ['{"id": "x", "conversations": [{"from": "human", "value": NaNa}]}',
-           '{"id": "y", "conversations": [{"from": "human", "value": "a \\q [ { b"}]}',
-           '{"id": "z", oops}']
+    bad = [
+        '{"id": "x", "conversations": [{"from": "human", "value": NaNa}]}',
+        '{"id": "y", "conversations": [{"from": "human", "value": "a \\q [ { b"}]}',
+        '{"id": "z", oops}',
+    ]
     path = tmp_path / "array.json"
-    path.write_text("[\n" + ",\n".join([good, good, bad[0], *[good] * 100, bad[1], good, bad[2], good]) + "\n]\n")
+    path.write_text(
+        "[\n" + ",\n".join([good, good, bad[0], *[good] * 100, bad[1], good, bad[2], good]) + "\n]\n"
+    )
     report = DropReport()
     rows = list(iter_json_array(path, report, chunk_chars=chunk_chars))
     assert len(rows) == 104 and all(r == GOOD_SHAREGPT for r in rows)
     assert report.dropped == {"bad_record": 3} and report.read == 3
     # each named by its index in the array
-    assert [r.getMessage().split("record ")[1].split(" ")[0] for r in caplog.records
-            if "not valid JSON" in r.getMessage()] == ["2", "103", "105"]
+    assert [
+        r.getMessage().split("record ")[1].split(" ")[0]
+        for r in caplog.records
+        if "not valid JSON" in r.getMessage()
+    ] == ["2", "103", "105"]
     convs, report = read_conversations([str(path)])
     assert len(convs) == 104 and report.as_dict()["dropped"] == {"bad_record": 3}
 
 
 def test_rows_with_bytes_that_are_not_utf8_are_counted_and_dropped(tmp_path):
     ok = json.dumps(GOOD_SHAREGPT).encode()
-    broken = json.dumps({"conversations": [{"from": "human", "value": "caf@"}, {"from": "gpt", "value": "yes"}]}
-                        ).encode().replace(b"@", b"\xe9")  # latin-1, not UTF-8
-    for name, data in (("rows.jsonl", ok + b"\n" + broken + b"\n" + ok + b"\n"),
-                       ("rows.json", b"[" + b",".join([ok, broken, ok]) + b"]")):
+    broken = (
+        json.dumps({"conversations": [{"from": "human", "value": "caf@"}, {"from": "gpt", "value": "yes"}]})
+        .encode()
+        .replace(b"@", b"\xe9")
+    )  # latin-1, not UTF-8
+    for name, data in (
+        ("rows.jsonl", ok + b"\n" + broken + b"\n" + ok + b"\n"),
+        ("rows.json", b"[" + b",".join([ok, broken, ok]) + b"]"),
+    ):
         path = tmp_path / name
         path.write_bytes(data)
         convs, report = read_conversations([str(path)])
@@ -112,13 +156,20 @@ def test_rows_with_bytes_that_are_not_utf8_are_counted_and_dropped(tmp_path):
         assert report.repaired["bad_encoding_replaced"] == 1 and not report.dropped
     # a real U+FFFD already in the text is text, not a decoding failure
     path = tmp_path / "fffd.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "a\ufffd"},
-                                             {"role": "assistant", "content": "b"}]}) + "\n", encoding="utf-8")
+    path.write_text(
+        json.dumps(
+            {"messages": [{"role": "user", "content": "a\ufffd"}, {"role": "assistant", "content": "b"}]}
+        )
+        + "\n",
+        encoding="utf-8",
+    )
     assert read_conversations([str(path)])[1].dropped == {}
 
 
-@pytest.mark.parametrize("source", ["sharegtp", "data/train.jsonl", "./convs.json", "../x/y.jsonl", "/abs/none.json",
-                                    "org/file.jsonl"])
+@pytest.mark.parametrize(
+    "source",
+    ["sharegtp", "data/train.jsonl", "./convs.json", "../x/y.jsonl", "/abs/none.json", "org/file.jsonl"],
+)
 def test_a_missing_local_source_is_named_not_looked_up_on_the_hub(source, monkeypatch):
     import datasets
 

@@ -12,10 +12,16 @@ from eyas.data.prepare import load_prepared, load_token_frequencies, split_indic
 def _write_corpus(path, n=30):
     rows = []
     for k in range(n):
-        rows.append({"conversations": [{"from": "human", "value": f"question {k}?"},
-                                       {"from": "gpt", "value": f"answer number {k}."},
-                                       {"from": "human", "value": "more"},
-                                       {"from": "gpt", "value": "x" * (5 if k % 10 else 400)}]})
+        rows.append(
+            {
+                "conversations": [
+                    {"from": "human", "value": f"question {k}?"},
+                    {"from": "gpt", "value": f"answer number {k}."},
+                    {"from": "human", "value": "more"},
+                    {"from": "gpt", "value": "x" * (5 if k % 10 else 400)},
+                ]
+            }
+        )
     rows.append({"conversations": [{"from": "robot", "value": "?"}, {"from": "gpt", "value": "y"}]})
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n")
     return path
@@ -32,8 +38,14 @@ def test_split_is_deterministic_and_disjoint():
 def test_prepare_cli_writes_dataset_freqs_and_drop_report(tiny_llama_dir, tmp_path, capsys):
     corpus = _write_corpus(tmp_path / "c.jsonl")
     run = tmp_path / "run"
-    args = [f"run_dir={run}", f"target.name_or_path={tiny_llama_dir}", f"data.sources=[{corpus}]",
-            "data.max_length=300", "data.eval_fraction=0.1", "data.train_on=last"]
+    args = [
+        f"run_dir={run}",
+        f"target.name_or_path={tiny_llama_dir}",
+        f"data.sources=[{corpus}]",
+        "data.max_length=300",
+        "data.eval_fraction=0.1",
+        "data.train_on=last",
+    ]
     assert main(["prepare", "--no-progress", *args]) == 0
     report = json.loads((run / "prepared" / "drop_report.json").read_text())
     assert report["dropped"] == {"bad_json": 1, "over_length": 3, "unknown_role": 1}
@@ -56,7 +68,10 @@ def test_prepare_cli_writes_dataset_freqs_and_drop_report(tiny_llama_dir, tmp_pa
     from tiny_targets import byte_tokenizer
 
     tok = byte_tokenizer()
-    assert freqs[tok.convert_tokens_to_ids("x")] == 24 * 5 and freqs[tok.convert_tokens_to_ids("<|im_end|>")] == 24
+    assert (
+        freqs[tok.convert_tokens_to_ids("x")] == 24 * 5
+        and freqs[tok.convert_tokens_to_ids("<|im_end|>")] == 24
+    )
 
     # The held-out conversations double as an eval workload, in the eval split's order.
     from eyas.eval.workloads import load_workload
@@ -80,8 +95,17 @@ def test_prepare_cli_writes_dataset_freqs_and_drop_report(tiny_llama_dir, tmp_pa
 def test_nothing_usable_is_an_error(tiny_llama_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{nope\n")
-    assert main(["prepare", f"run_dir={tmp_path}/r", f"target.name_or_path={tiny_llama_dir}",
-                 f"data.sources=[{bad}]"]) == 1
+    assert (
+        main(
+            [
+                "prepare",
+                f"run_dir={tmp_path}/r",
+                f"target.name_or_path={tiny_llama_dir}",
+                f"data.sources=[{bad}]",
+            ]
+        )
+        == 1
+    )
 
 
 def test_regeneration_turn_by_turn_and_resume(tiny_llama_dir, tmp_path):
@@ -89,8 +113,15 @@ def test_regeneration_turn_by_turn_and_resume(tiny_llama_dir, tmp_path):
     from eyas.data.targets import load_target
 
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
-    convs = [[{"role": "user", "content": f"q{k}"}, {"role": "assistant", "content": "old"},
-              {"role": "user", "content": "again"}, {"role": "assistant", "content": "old2"}] for k in range(5)]
+    convs = [
+        [
+            {"role": "user", "content": f"q{k}"},
+            {"role": "assistant", "content": "old"},
+            {"role": "user", "content": "again"},
+            {"role": "assistant", "content": "old2"},
+        ]
+        for k in range(5)
+    ]
     out = tmp_path / "regen.jsonl"
     kw = dict(model=target.model, batch_size=2, max_new_tokens=6, progress=False)
     full = regenerate(convs, target.tokenizer, out, **kw)
@@ -120,16 +151,33 @@ def test_max_turns_and_prompt_cap_limit_regeneration(tiny_llama_dir, tmp_path):
     from eyas.data.regenerate import regenerate
     from eyas.data.targets import load_target
 
-    conv = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    conv = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+    ]
     assert keep_first_turns(conv, 1) == conv[:3]
     assert keep_first_turns(conv, 5) == conv
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
     long_first = [{"role": "user", "content": "x" * 200}, {"role": "assistant", "content": "old"}]
-    short = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old"},
-             {"role": "user", "content": "y" * 200}, {"role": "assistant", "content": "old"}]
-    out = regenerate([long_first, short], target.tokenizer, tmp_path / "r.jsonl", model=target.model,
-                     batch_size=2, max_new_tokens=4, progress=False, max_prompt_tokens=100)
+    short = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "old"},
+        {"role": "user", "content": "y" * 200},
+        {"role": "assistant", "content": "old"},
+    ]
+    out = regenerate(
+        [long_first, short],
+        target.tokenizer,
+        tmp_path / "r.jsonl",
+        model=target.model,
+        batch_size=2,
+        max_new_tokens=4,
+        progress=False,
+        max_prompt_tokens=100,
+    )
     assert out[0] == []  # its only prompt is too long: nothing to train on
     assert [m["role"] for m in out[1]] == ["user", "assistant"]  # stopped before the long second turn
     assert out[1][1]["content"] != "old"
@@ -154,10 +202,23 @@ def test_regeneration_batches_by_first_prompt_length(tiny_llama_dir, tmp_path, m
     # Long prompts carry short dataset replies and short prompts long ones, so sorting by
     # the first two messages' characters would pair a long prompt with a short one.
     words = [3, 40, 5, 38, 4, 39, 200]
-    convs = [[{"role": "user", "content": " ".join(["w"] * n)},
-              {"role": "assistant", "content": "r" * (2000 // n)}] for n in words]
-    out = regen.regenerate(convs, target.tokenizer, tmp_path / "r.jsonl", model=target.model, batch_size=3,
-                           max_new_tokens=4, progress=False, max_prompt_tokens=120)
+    convs = [
+        [
+            {"role": "user", "content": " ".join(["w"] * n)},
+            {"role": "assistant", "content": "r" * (2000 // n)},
+        ]
+        for n in words
+    ]
+    out = regen.regenerate(
+        convs,
+        target.tokenizer,
+        tmp_path / "r.jsonl",
+        model=target.model,
+        batch_size=3,
+        max_new_tokens=4,
+        progress=False,
+        max_prompt_tokens=120,
+    )
     assert len(calls) == 2 and [len(c) for c in calls] == [3, 3]
     assert max(calls[0]) < min(calls[1])  # the three short prompts, then the three long ones
     assert out[6] == [] and all(c[1]["content"] == "ok" for c in out[:6])
@@ -195,8 +256,10 @@ def test_regeneration_progress_counts_tokens_and_resumes_its_count(tiny_llama_di
 
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
     monkeypatch.setattr(tqdm.auto, "tqdm", _BarSpy)
-    convs = [[{"role": "user", "content": " ".join(["w"] * n)}, {"role": "assistant", "content": "old"}]
-             for n in (2, 30, 4, 60)]
+    convs = [
+        [{"role": "user", "content": " ".join(["w"] * n)}, {"role": "assistant", "content": "old"}]
+        for n in (2, 30, 4, 60)
+    ]
     prompt_tokens = [len(prompt_ids(target.tokenizer, before_first_reply(c))) for c in convs]
     out = tmp_path / "r.jsonl"
     regenerate(convs, target.tokenizer, out, model=target.model, batch_size=2, max_new_tokens=5)
@@ -215,21 +278,54 @@ def test_regeneration_progress_counts_tokens_and_resumes_its_count(tiny_llama_di
 def test_no_eval_split_when_eval_fraction_is_zero(tiny_llama_dir, tmp_path):
     corpus = _write_corpus(tmp_path / "c.jsonl", n=6)
     run = tmp_path / "run"
-    assert main(["prepare", "--no-progress", f"run_dir={run}", f"target.name_or_path={tiny_llama_dir}",
-                 f"data.sources=[{corpus}]", "data.max_length=300", "data.eval_fraction=0"]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                "--no-progress",
+                f"run_dir={run}",
+                f"target.name_or_path={tiny_llama_dir}",
+                f"data.sources=[{corpus}]",
+                "data.max_length=300",
+                "data.eval_fraction=0",
+            ]
+        )
+        == 0
+    )
     dd = load_prepared(run / "prepared")
     assert list(dd) == ["train"] and len(dd["train"]) == 5
 
 
 def test_prompts_too_long_to_regenerate_are_counted(tiny_llama_dir, tmp_path):
-    rows = [{"conversations": [{"from": "human", "value": "q" * (400 if k == 0 else 5 + k)},
-                               {"from": "gpt", "value": "a"}]} for k in range(4)]
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": "q" * (400 if k == 0 else 5 + k)},
+                {"from": "gpt", "value": "a"},
+            ]
+        }
+        for k in range(4)
+    ]
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     run = tmp_path / "run"
-    assert main(["prepare", "--no-progress", f"run_dir={run}", f"target.name_or_path={tiny_llama_dir}",
-                 f"data.sources=[{corpus}]", "data.max_length=100", "data.eval_fraction=0",
-                 "data.regenerate.enabled=true", "data.regenerate.max_new_tokens=8", "target.dtype=float32"]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                "--no-progress",
+                f"run_dir={run}",
+                f"target.name_or_path={tiny_llama_dir}",
+                f"data.sources=[{corpus}]",
+                "data.max_length=100",
+                "data.eval_fraction=0",
+                "data.regenerate.enabled=true",
+                "data.regenerate.max_new_tokens=8",
+                "target.dtype=float32",
+            ]
+        )
+        == 0
+    )
     report = json.loads((run / "prepared" / "drop_report.json").read_text())
     assert report["dropped"] == {"regenerated_nothing_to_train": 1} and report["kept"] == 3
 
@@ -237,8 +333,13 @@ def test_prompts_too_long_to_regenerate_are_counted(tiny_llama_dir, tmp_path):
 def test_capture_skips_online_features_and_missing_eval_split(tiny_llama_dir, tmp_path, capsys):
     corpus = _write_corpus(tmp_path / "c.jsonl", n=6)
     run = tmp_path / "run"
-    args = [f"run_dir={run}", f"target.name_or_path={tiny_llama_dir}", f"data.sources=[{corpus}]",
-            "data.max_length=300", "data.eval_fraction=0"]
+    args = [
+        f"run_dir={run}",
+        f"target.name_or_path={tiny_llama_dir}",
+        f"data.sources=[{corpus}]",
+        "data.max_length=300",
+        "data.eval_fraction=0",
+    ]
     assert main(["prepare", "--no-progress", *args]) == 0
     assert main(["capture", "--no-progress", *args, "data.features=online"]) == 0
     assert "nothing to capture" in capsys.readouterr().out and not (run / "cache").exists()
@@ -274,9 +375,14 @@ def test_batched_greedy_replies_equal_model_generate_when_rows_stop_early(tiny_l
     ids = torch.full((len(prompts), width), tok.pad_token_id or 0)
     mask = torch.zeros_like(ids)
     for b, p in enumerate(prompts):
-        ids[b, width - len(p):], mask[b, width - len(p):] = torch.tensor(p), 1
-    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                         pad_token_id=tok.pad_token_id or 0)
+        ids[b, width - len(p) :], mask[b, width - len(p) :] = torch.tensor(p), 1
+    ref = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=12,
+        do_sample=False,
+        pad_token_id=tok.pad_token_id or 0,
+    )
     # HF pads a finished row with pad ids after its stop token; cut at the first stop instead.
     expected = []
     for row in ref[:, width:].tolist():
@@ -305,7 +411,7 @@ def test_preallocated_kv_cache_gives_the_logits_of_the_growing_cache(tiny_llama_
             if step == 2:  # row 1 leaves the batch
                 rows = torch.tensor([0, 2])
                 cache.batch_select_indices(rows)
-            tok = later[rows, step:step + 1]
+            tok = later[rows, step : step + 1]
             pos = torch.full((len(rows), 1), 5 + step)
             steps.append(model(input_ids=tok, position_ids=pos, cache=cache, use_cache=True).logits)
         results.append(steps)
@@ -321,7 +427,9 @@ def test_sliding_window_targets_keep_the_masks_transformers_builds(tiny_llama_di
 
     model = load_target(str(tiny_llama_dir), dtype="float32", device="cpu").model
     assert _takes_additive_decode_mask(model)
-    model.config.layer_types = ["sliding_attention"] + ["full_attention"] * (model.config.num_hidden_layers - 1)
+    model.config.layer_types = ["sliding_attention"] + ["full_attention"] * (
+        model.config.num_hidden_layers - 1
+    )
     assert not _takes_additive_decode_mask(model)
 
 
@@ -339,14 +447,25 @@ def test_repeated_conversations_are_dropped_and_counted(tiny_llama_dir, tmp_path
     kept, dropped = drop_duplicates(convs, prompts_only=False)
     assert kept == convs[:3] and dropped == 1
 
-    rows = [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "x"}]}
-            for q in ["what is 2+2?", "hello there", "what is 2+2?", "tell me more"]]
+    rows = [
+        {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "x"}]}
+        for q in ["what is 2+2?", "hello there", "what is 2+2?", "tell me more"]
+    ]
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     run = tmp_path / "run"
-    args = ["prepare", "--no-progress", f"run_dir={run}", f"target.name_or_path={tiny_llama_dir}",
-            f"data.sources=[{corpus}]", "data.max_length=300", "data.eval_fraction=0",
-            "data.regenerate.enabled=true", "data.regenerate.max_new_tokens=4", "target.dtype=float32"]
+    args = [
+        "prepare",
+        "--no-progress",
+        f"run_dir={run}",
+        f"target.name_or_path={tiny_llama_dir}",
+        f"data.sources=[{corpus}]",
+        "data.max_length=300",
+        "data.eval_fraction=0",
+        "data.regenerate.enabled=true",
+        "data.regenerate.max_new_tokens=4",
+        "target.dtype=float32",
+    ]
     assert main(args) == 0
     report = json.loads((run / "prepared" / "drop_report.json").read_text())
     assert report["dropped"].get("duplicate") == 1 and report["read"] == 4

@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 
 import pytest
-
 from data_templates_fixtures import CONVERSATION, family_tokenizer
+
 from eyas.data.templates import TemplateError, render_with_mask
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -34,8 +34,12 @@ def check_golden(name, tok, conversation):
     cases = {}
     for mode in ("all", "last"):
         r = render_with_mask(tok, conversation, mode)
-        cases[mode] = {"text": r.text, "input_ids": r.input_ids, "loss_mask": r.loss_mask,
-                       "masked": masked_segments(tok, r.input_ids, r.loss_mask)}
+        cases[mode] = {
+            "text": r.text,
+            "input_ids": r.input_ids,
+            "loss_mask": r.loss_mask,
+            "masked": masked_segments(tok, r.input_ids, r.loss_mask),
+        }
     path = GOLDEN / f"masks_{name}.json"
     if os.environ.get("EYAS_WRITE_GOLDEN") == "1":
         path.write_text(json.dumps(cases, indent=1, ensure_ascii=False) + "\n")
@@ -94,4 +98,6 @@ def test_truncation_keeps_the_prefix_and_its_mask():
 def test_tokens_equal_apply_chat_template():
     tok = family_tokenizer("llama3")
     r = render_with_mask(tok, CONVERSATION)
-    assert r.input_ids == list(tok.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True)["input_ids"])
+    assert r.input_ids == list(
+        tok.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True)["input_ids"]
+    )

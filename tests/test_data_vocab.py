@@ -40,7 +40,9 @@ def test_full_vocab_has_no_map():
 
 
 def test_vocab_imports_no_other_stage():
-    code = ("import sys, eyas.heads.vocab; "
-            "bad=[m for m in sys.modules if m.startswith(('eyas.data','eyas.train','eyas.eval'))]; "
-            "sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, eyas.heads.vocab; "
+        "bad=[m for m in sys.modules if m.startswith(('eyas.data','eyas.train','eyas.eval'))]; "
+        "sys.exit(1 if bad else 0)"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

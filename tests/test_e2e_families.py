@@ -7,18 +7,31 @@ import pytest
 import torch
 
 from eyas.cli import main
-from eyas.data.targets import compute_features, default_aux_layer_ids, load_target, target_norm_and_lm_head, text_config
+from eyas.data.targets import (
+    compute_features,
+    default_aux_layer_ids,
+    load_target,
+    target_norm_and_lm_head,
+    text_config,
+)
 from eyas.heads.config import head_config_from_target
-from eyas.heads.load_export import load_any_head
 from eyas.heads.io import save_head
+from eyas.heads.load_export import load_any_head
 from eyas.heads.validate import validate_export
+from eyas.recipe import TrainSection
 from eyas.train.algorithms import loss_function
 from eyas.train.build import build_trainable_head
-from eyas.recipe import TrainSection
 from eyas.train.losses import target_labels
 
-TRAIN_CFG = TrainSection(ttt_steps=3, ttt_decay=0.8, num_depths=4, cod_r=0.8, cod_r_min=0.2, segment_length=None,
-                         compile_loss="off")
+TRAIN_CFG = TrainSection(
+    ttt_steps=3,
+    ttt_decay=0.8,
+    num_depths=4,
+    cod_r=0.8,
+    cod_r_min=0.2,
+    segment_length=None,
+    compile_loss="off",
+)
 
 
 def _batch(target, seed=0, b=2, t=24):
@@ -28,7 +41,13 @@ def _batch(target, seed=0, b=2, t=24):
     am[1, -5:] = 0
     aux_ids = list(default_aux_layer_ids(target.num_layers))
     aux, last = compute_features(target.model, ids, am, aux_ids)
-    return {"input_ids": ids, "attention_mask": am, "loss_mask": am.clone(), "aux": aux.float(), "last": last.float()}
+    return {
+        "input_ids": ids,
+        "attention_mask": am,
+        "loss_mask": am.clone(),
+        "aux": aux.float(),
+        "last": last.float(),
+    }
 
 
 @pytest.mark.parametrize("algorithm", ["eagle3", "peagle"])
@@ -40,15 +59,28 @@ def test_train_export_validate_load_draft(tiny_target_dir, algorithm, tmp_path):
     target = load_target(str(tiny_target_dir), dtype="float32", device="cpu")
     cfg_t = text_config(target.config)
     extra = dict(num_hidden_layers=2, mask_token_id=3) if algorithm == "peagle" else dict(fc_norm=True)
-    cfg = head_config_from_target(cfg_t, aux_layer_ids=list(default_aux_layer_ids(cfg_t.num_hidden_layers)),
-                                  draft_vocab_size=200, algorithm=algorithm, speculative_tokens=4,
-                                  verifier_name_or_path="org/tiny-target", **extra)
+    cfg = head_config_from_target(
+        cfg_t,
+        aux_layer_ids=list(default_aux_layer_ids(cfg_t.num_hidden_layers)),
+        draft_vocab_size=200,
+        algorithm=algorithm,
+        speculative_tokens=4,
+        verifier_name_or_path="org/tiny-target",
+        **extra,
+    )
     batch = _batch(target)
     freqs = torch.bincount(batch["input_ids"].flatten(), minlength=cfg.vocab_size)
     head = build_trainable_head(cfg, target.model, freqs)
     norm, lm_head = target_norm_and_lm_head(target.model)
-    labels = target_labels(batch["last"], norm, lm_head.weight, head.draft_token_ids(), head.t2d,
-                           batch["loss_mask"], batch["attention_mask"])
+    labels = target_labels(
+        batch["last"],
+        norm,
+        lm_head.weight,
+        head.draft_token_ids(),
+        head.t2d,
+        batch["loss_mask"],
+        batch["attention_mask"],
+    )
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
     gen = torch.Generator().manual_seed(0)
     losses = []

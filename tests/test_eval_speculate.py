@@ -20,8 +20,13 @@ H, CONST = 64, 16  # the tiny targets' hidden size; embedding coords 0..15 are c
 
 def random_head(model, algorithm="eagle3", seed=0, draft_vocab=200, aux=(1, 4, 7)):
     torch.manual_seed(seed)
-    cfg = head_config_from_target(model.config, aux_layer_ids=list(aux), draft_vocab_size=draft_vocab,
-                                  algorithm=algorithm, mask_token_id=3 if algorithm == "peagle" else None)
+    cfg = head_config_from_target(
+        model.config,
+        aux_layer_ids=list(aux),
+        draft_vocab_size=draft_vocab,
+        algorithm=algorithm,
+        mask_token_id=3 if algorithm == "peagle" else None,
+    )
     head = build_head(cfg)
     vt = model.config.vocab_size
     if draft_vocab < vt:
@@ -69,8 +74,14 @@ def copy_head(model, algorithm="eagle3", aux=(1, 4, 7), lm_scale=1.0):
     x and logits = lm_head(norm(n(e_x))) = the target's logits after x: the head predicts
     exactly what the target will (EAGLE-3 chain: every position; P-EAGLE: the first)."""
     cfg = head_config_from_target(
-        model.config, aux_layer_ids=list(aux), draft_vocab_size=model.config.vocab_size, algorithm=algorithm,
-        num_attention_heads=4, num_key_value_heads=4, head_dim=16, norm_before_residual=True,
+        model.config,
+        aux_layer_ids=list(aux),
+        draft_vocab_size=model.config.vocab_size,
+        algorithm=algorithm,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        norm_before_residual=True,
         mask_token_id=3 if algorithm == "peagle" else None,
     ).model_copy(update={"rope_theta": 10.0})
     head = build_head(cfg)
@@ -272,13 +283,13 @@ def test_accepted_draft_eos_stops_like_plain_greedy(tiny_llama_dir):
             self.pos = 1
 
         def propose(self, k, temperature=0.0, generator=None):
-            return torch.tensor(plain[self.pos:self.pos + k]), None
+            return torch.tensor(plain[self.pos : self.pos + k]), None
 
         def commit(self, new, aux=None):
             self.pos += len(new)
 
     out = speculative_decode(target.model, prompt, Oracle(), 3, 24, eos_ids=eos).tokens
-    assert out == expected == plain[:stop + 1]
+    assert out == expected == plain[: stop + 1]
 
 
 @pytest.mark.parametrize("eos_at", [None, 9])

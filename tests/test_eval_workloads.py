@@ -38,16 +38,28 @@ def test_mtbench_has_80_two_turn_questions_in_8_categories():
 
 def test_jsonl_workload_shapes_and_errors(tmp_path, tiny_tokenizer):
     path = tmp_path / "w.jsonl"
-    rows = [{"prompt": "hi", "category": "a"}, {"messages": [{"role": "system", "content": "s"},
-            {"role": "user", "content": "u1"}, {"role": "assistant", "content": "x"}, {"role": "user", "content": "u2"}]},
-            {"turns": ["t1", "t2"]}, {"nothing": 1}]
+    rows = [
+        {"prompt": "hi", "category": "a"},
+        {
+            "messages": [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": "u1"},
+                {"role": "assistant", "content": "x"},
+                {"role": "user", "content": "u2"},
+            ]
+        },
+        {"turns": ["t1", "t2"]},
+        {"nothing": 1},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows))
     prompts = load_workload(str(path))
     assert [p.turns for p in prompts] == [["hi"], ["u1", "u2"], ["t1", "t2"]]
     assert prompts[1].system == "s" and prompts[0].category == "a"
     ids = render_turn(tiny_tokenizer, prompts[1], ["my reply"])
     text = tiny_tokenizer.decode(ids)
-    assert text.index("u1") < text.index("my reply") < text.index("u2") and text.endswith("<|im_start|>assistant\n")
+    assert text.index("u1") < text.index("my reply") < text.index("u2") and text.endswith(
+        "<|im_start|>assistant\n"
+    )
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n{oops\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
@@ -72,8 +84,10 @@ def test_eval_names_a_bad_workload_or_head_before_loading_the_target(case, tmp_p
     (tmp_path / "array.json").write_text('[{"prompt": "a"}, {oops')
     args, named = {
         "empty": (["--workload", "empty.jsonl"], "'empty.jsonl': no row with a prompt"),
-        "misspelt": (["--workload", "mtbnech"], "'mtbnech': no such file or directory (the shipped workload is "
-                                                "'mtbench'"),
+        "misspelt": (
+            ["--workload", "mtbnech"],
+            "'mtbnech': no such file or directory (the shipped workload is 'mtbench'",
+        ),
         "relative": (["--workload", "data/held_out.jsonl"], "'data/held_out.jsonl': no such file"),
         "bad_array": (["--workload", "array.json"], "array.json: not a valid JSON array"),
         "no_head": (["--head", "runs/x/export"], "runs/x/export: no such head directory"),
@@ -100,18 +114,33 @@ def test_summary_counts_conditional_acceptance():
 
 def test_eval_cli_baseline_and_head(tmp_path, tiny_llama_dir, capsys):
     import torch
+    from test_eval_speculate import random_head
 
     from eyas.data.targets import load_target
     from eyas.heads.io import save_head
-    from test_eval_speculate import random_head
 
     wl = tmp_path / "w.jsonl"
-    wl.write_text("\n".join(json.dumps({"turns": [f"say {c} {c} {c} {c} again", "more"], "category": c}) for c in "ab"))
+    wl.write_text(
+        "\n".join(json.dumps({"turns": [f"say {c} {c} {c} {c} again", "more"], "category": c}) for c in "ab")
+    )
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
     head = random_head(target.model, "eagle3")
     save_head(head, tmp_path / "head")
-    common = ["--target", str(tiny_llama_dir), "--workload", str(wl), "--k", "3", "--max-new-tokens", "24",
-              "--no-progress", "target.dtype=float32", "target.device=cpu", "eval.ngram_min=1", "eval.ngram_max=3"]
+    common = [
+        "--target",
+        str(tiny_llama_dir),
+        "--workload",
+        str(wl),
+        "--k",
+        "3",
+        "--max-new-tokens",
+        "24",
+        "--no-progress",
+        "target.dtype=float32",
+        "target.device=cpu",
+        "eval.ngram_min=1",
+        "eval.ngram_max=3",
+    ]
     rc = main(["eval", *common, "--head", str(tmp_path / "head"), "--out", str(tmp_path / "ev"), "--json"])
     report = json.loads(capsys.readouterr().out)
     # beside a head the n-gram baseline is replayed over the plain tokens: only the head is checked
@@ -127,8 +156,18 @@ def test_eval_cli_baseline_and_head(tmp_path, tiny_llama_dir, capsys):
     for name in ("eval_report.json", "eval_report.md", "eval_report.png"):
         assert (tmp_path / "ev" / name).stat().st_size > 100
     # --decode-baseline decodes it: the same acceptance, its tok/s measured, both checked
-    rc = main(["eval", *common, "--head", str(tmp_path / "head"), "--out", str(tmp_path / "ev1"), "--json",
-               "--decode-baseline"])
+    rc = main(
+        [
+            "eval",
+            *common,
+            "--head",
+            str(tmp_path / "head"),
+            "--out",
+            str(tmp_path / "ev1"),
+            "--json",
+            "--decode-baseline",
+        ]
+    )
     decoded = json.loads(capsys.readouterr().out)
     assert rc == 0 and decoded["lossless"]["checked"] == 8 and decoded["replayed"] == []
     replayed_ngram, decoded_ngram = report["drafters"]["ngram"], decoded["drafters"]["ngram"]
@@ -139,7 +178,19 @@ def test_eval_cli_baseline_and_head(tmp_path, tiny_llama_dir, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "plain greedy" in out and "ngram" in out and "lossless check: PASSED" in out
     # --dtype (eval.dtype) evaluates the target in another dtype than the recipe's target.dtype
-    rc = main(["eval", *common, "--baseline", "ngram", "--out", str(tmp_path / "ev3"), "--json", "--dtype", "bfloat16"])
+    rc = main(
+        [
+            "eval",
+            *common,
+            "--baseline",
+            "ngram",
+            "--out",
+            str(tmp_path / "ev3"),
+            "--json",
+            "--dtype",
+            "bfloat16",
+        ]
+    )
     assert rc == 0 and json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
     torch.manual_seed(0)
 

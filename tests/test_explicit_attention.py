@@ -9,8 +9,10 @@ from eyas.heads.explicit_attention import explicit_attention
 
 def _inputs(dtype, b=2, h=6, hkv=2, tq=5, tk=9, d=8, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(b, n, t, d, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-               for n, t in ((h, tq), (hkv, tk), (hkv, tk)))
+    q, k, v = (
+        torch.randn(b, n, t, d, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+        for n, t in ((h, tq), (hkv, tk), (hkv, tk))
+    )
     allowed = torch.rand(b, 1, tq, tk, generator=g) < 0.6
     allowed[..., 0] = True  # every row sees one key
     bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
@@ -52,6 +54,7 @@ def test_bfloat16_stays_within_bf16_error_of_the_exact_result():
 @pytest.mark.parametrize("h,hkv", [(4, 4), (6, 3), (4, 1)])
 def test_query_head_reads_the_kv_head_enable_gqa_pairs_it_with(h, hkv):
     q, k, v, allowed, bias = _inputs(torch.float64, h=h, hkv=hkv)
-    want = F.scaled_dot_product_attention(q, k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1),
-                                          attn_mask=allowed, scale=0.5)
+    want = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1), attn_mask=allowed, scale=0.5
+    )
     torch.testing.assert_close(explicit_attention(q, k, v, bias, 0.5), want)

@@ -5,25 +5,28 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_export_helpers import random_head, step_logits
 
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.export import export_checkpoint, export_head, serve_command
-from eyas.heads.load_export import detect_format, load_any_head, load_exported_head
 from eyas.heads.io import save_head
+from eyas.heads.load_export import detect_format, load_any_head, load_exported_head
 from eyas.heads.peagle import PEagleHead
 from eyas.heads.validate import validate_export
-from test_export_helpers import random_head, step_logits
 
 VARIANTS = {
     "eagle3": {},
     "eagle3-vocab-map": dict(draft_vocab_size=100),
-    "eagle3.1-two-layers": dict(draft_vocab_size=100, fc_norm=True, norm_output=True, num_hidden_layers=2,
-                                norm_before_residual=True),
+    "eagle3.1-two-layers": dict(
+        draft_vocab_size=100, fc_norm=True, norm_output=True, num_hidden_layers=2, norm_before_residual=True
+    ),
     "eagle3-norm-before-fc": dict(norm_before_fc=True, draft_vocab_size=200),
     "eagle3-two-aux": dict(aux_layer_ids=[2, 5]),
     "eagle3-narrow": dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64),
     "peagle": dict(algorithm="peagle", draft_vocab_size=100, mask_token_id=3, num_hidden_layers=2),
-    "peagle-full-vocab": dict(algorithm="peagle", mask_token_id=319, num_hidden_layers=3, speculative_tokens=7),
+    "peagle-full-vocab": dict(
+        algorithm="peagle", mask_token_id=319, num_hidden_layers=3, speculative_tokens=7
+    ),
 }
 
 
@@ -64,7 +67,9 @@ def test_bf16_export_equals_the_head_rounded_to_bf16(tmp_path):
     with torch.no_grad():
         for p in rounded.parameters():
             p.copy_(p.to(torch.bfloat16).float())
-    rounded.embed_tokens.weight.data.copy_(head.embed_tokens.weight)  # the embedding is the target's, not exported
+    rounded.embed_tokens.weight.data.copy_(
+        head.embed_tokens.weight
+    )  # the embedding is the target's, not exported
     assert torch.equal(step_logits(back), step_logits(rounded))
 
 
@@ -89,6 +94,7 @@ def test_published_head_with_embedding_keeps_it_on_reexport(tmp_path):
     assert "embed_tokens.weight" not in tensors  # frozen target embedding: not shipped
     tensors["embed_tokens.weight"] = head.embed_tokens.weight.detach().to(torch.bfloat16)
     from safetensors.torch import save_file
+
     save_file(tensors, str(first / "model.safetensors"))
     back = load_exported_head(first)  # no target_embed needed now
     second = export_head(back, tmp_path / "b")
@@ -96,7 +102,9 @@ def test_published_head_with_embedding_keeps_it_on_reexport(tmp_path):
 
 
 def test_speculators_config_matches_the_contract(tmp_path):
-    head = random_head(algorithm="peagle", draft_vocab_size=100, mask_token_id=3, num_hidden_layers=2, fc_norm=True)
+    head = random_head(
+        algorithm="peagle", draft_vocab_size=100, mask_token_id=3, num_hidden_layers=2, fc_norm=True
+    )
     cfg = json.loads((export_head(head, tmp_path / "x") / "config.json").read_text())
     assert "model_type" not in cfg
     assert cfg["speculators_model_type"] == "peagle" and cfg["architectures"] and cfg["speculators_version"]
@@ -149,4 +157,9 @@ def test_serve_command():
     cmd = serve_command("/heads/x", random_head(algorithm="peagle", mask_token_id=3).config)
     assert cmd.startswith("vllm serve org/tiny-target --speculative-config ")
     spec = json.loads(cmd.split("--speculative-config ", 1)[1].strip("'"))
-    assert spec == {"method": "eagle3", "model": "/heads/x", "num_speculative_tokens": 4, "parallel_drafting": True}
+    assert spec == {
+        "method": "eagle3",
+        "model": "/heads/x",
+        "num_speculative_tokens": 4,
+        "parallel_drafting": True,
+    }

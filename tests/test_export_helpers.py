@@ -11,9 +11,20 @@ VT, HT = 320, 64
 
 
 def tiny_head_config(**overrides) -> DraftHeadConfig:
-    fields = dict(hidden_size=HT, target_hidden_size=HT, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  intermediate_size=128, vocab_size=VT, draft_vocab_size=VT, aux_layer_ids=[1, 4, 6],
-                  target_num_layers=8, verifier_name_or_path="org/tiny-target", speculative_tokens=4)
+    fields = dict(
+        hidden_size=HT,
+        target_hidden_size=HT,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=VT,
+        draft_vocab_size=VT,
+        aux_layer_ids=[1, 4, 6],
+        target_num_layers=8,
+        verifier_name_or_path="org/tiny-target",
+        speculative_tokens=4,
+    )
     fields.update(overrides)
     return DraftHeadConfig(**fields)
 
@@ -28,7 +39,11 @@ def random_head(seed: int = 0, **overrides):
                 p.uniform_(0.5, 1.5)
     cfg = head.config
     if cfg.uses_vocab_map:
-        ids = torch.sort(torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[:cfg.draft_vocab_size]).values
+        ids = torch.sort(
+            torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[
+                : cfg.draft_vocab_size
+            ]
+        ).values
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         t2d[ids] = True
         head.set_vocab_map(ids - torch.arange(cfg.draft_vocab_size), t2d)

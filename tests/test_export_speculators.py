@@ -8,23 +8,42 @@ import torch
 
 speculators_eagle3 = pytest.importorskip("speculators.models.eagle3")
 
-from eyas.heads.export import export_head  # noqa: E402
 from test_export_helpers import random_head  # noqa: E402
+
+from eyas.heads.export import export_head  # noqa: E402
 
 
 @pytest.fixture
 def verifier_dir(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=320, hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    cfg = LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+    )
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "verifier")  # speculators reads the verifier's weights
     return tmp_path / "verifier"
 
 
-@pytest.mark.parametrize("options", [{}, dict(draft_vocab_size=100),
-                                     dict(draft_vocab_size=100, fc_norm=True, norm_output=True, num_hidden_layers=2,
-                                          norm_before_residual=True)])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        dict(draft_vocab_size=100),
+        dict(
+            draft_vocab_size=100,
+            fc_norm=True,
+            norm_output=True,
+            num_hidden_layers=2,
+            norm_before_residual=True,
+        ),
+    ],
+)
 def test_speculators_forward_matches_ours(tmp_path, verifier_dir, options):
     head = random_head(verifier_name_or_path=str(verifier_dir), **options)
     out = export_head(head, tmp_path / "head", dtype=torch.float32)
@@ -39,6 +58,11 @@ def test_speculators_forward_matches_ours(tmp_path, verifier_dir, options):
     captured = []
     model.lm_head.register_forward_hook(lambda mod, inp, outp: captured.append(outp))
     with torch.no_grad():
-        model(hidden_states=aux, input_ids=ids, document_ids=torch.zeros_like(ids),
-              position_ids=torch.arange(t)[None], ttt_steps=1)
+        model(
+            hidden_states=aux,
+            input_ids=ids,
+            document_ids=torch.zeros_like(ids),
+            position_ids=torch.arange(t)[None],
+            ttt_steps=1,
+        )
     torch.testing.assert_close(captured[0].float(), ours, atol=1e-5, rtol=1e-5)

@@ -10,7 +10,13 @@ import torch
 from eyas.cli import main
 from eyas.data.cache import FeatureCache
 from eyas.data.fed_states import FED_STATES_DIR, FedStates, fed_state_layer_ids, write_fed_states
-from eyas.data.targets import compute_features, default_aux_layer_ids, load_target, target_norm_and_lm_head, text_config
+from eyas.data.targets import (
+    compute_features,
+    default_aux_layer_ids,
+    load_target,
+    target_norm_and_lm_head,
+    text_config,
+)
 from eyas.heads.config import head_config_from_target
 from eyas.recipe import TrainSection
 from eyas.train.algorithms import loss_function
@@ -30,7 +36,9 @@ def test_decoded_states_equal_a_forward_over_the_fed_tokens(llama):
     from eyas.data.decode import decode_replies_hf, generate_replies_hf
 
     model, tok = llama.model, llama.tokenizer
-    prompts = [tok(t)["input_ids"] for t in ["a", "hello there", "xyz", "a much longer prompt than the rest", "q"]]
+    prompts = [
+        tok(t)["input_ids"] for t in ["a", "hello there", "xyz", "a much longer prompt than the rest", "q"]
+    ]
     free = decode_replies_hf(model, tok, prompts, 10, 0.0, 1.0)
     # a token some replies emit mid-way becomes a stop token, so rows stop at different steps
     candidates = [t for r in free for t in r.token_ids[2:6]]
@@ -82,8 +90,15 @@ def test_zero_states_after_the_fed_tokens_leave_loss_and_gradients_unchanged(lla
     cfg_t = text_config(model.config)
     aux_ids = list(default_aux_layer_ids(cfg_t.num_hidden_layers))
     extra = dict(num_hidden_layers=2, mask_token_id=3) if algorithm == "peagle" else dict(fc_norm=True)
-    cfg = head_config_from_target(cfg_t, aux_layer_ids=aux_ids, draft_vocab_size=200, algorithm=algorithm,
-                                  speculative_tokens=4, verifier_name_or_path="org/tiny", **extra)
+    cfg = head_config_from_target(
+        cfg_t,
+        aux_layer_ids=aux_ids,
+        draft_vocab_size=200,
+        algorithm=algorithm,
+        speculative_tokens=4,
+        verifier_name_or_path="org/tiny",
+        **extra,
+    )
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 300, (2, 24), generator=g)
     am = torch.ones(2, 24, dtype=torch.long)
@@ -96,23 +111,46 @@ def test_zero_states_after_the_fed_tokens_leave_loss_and_gradients_unchanged(lla
     tail = torch.zeros(2, 24, 1, dtype=torch.bool)
     for r, m in enumerate(fed_len):
         tail[r, m:] = True
-    train_cfg = TrainSection(ttt_steps=3, ttt_decay=0.8, num_depths=4, cod_r=0.8, cod_r_min=0.2,
-                             segment_length=None, compile_loss="off", copy_attention_weight=1.0)
+    train_cfg = TrainSection(
+        ttt_steps=3,
+        ttt_decay=0.8,
+        num_depths=4,
+        cod_r=0.8,
+        cod_r_min=0.2,
+        segment_length=None,
+        compile_loss="off",
+        copy_attention_weight=1.0,
+    )
     loss_fn = loss_function(algorithm)
     norm, lm_head = target_norm_and_lm_head(model)
     results = []
     for zero_tail in (False, True):
-        batch = {"input_ids": ids, "attention_mask": am, "loss_mask": lm,
-                 "aux": aux.masked_fill(tail, 0) if zero_tail else aux,
-                 "last": last.masked_fill(tail, 0) if zero_tail else last}
+        batch = {
+            "input_ids": ids,
+            "attention_mask": am,
+            "loss_mask": lm,
+            "aux": aux.masked_fill(tail, 0) if zero_tail else aux,
+            "last": last.masked_fill(tail, 0) if zero_tail else last,
+        }
         torch.manual_seed(0)
         head = build_trainable_head(cfg, model, torch.bincount(ids.flatten(), minlength=cfg.vocab_size))
-        labels = target_labels(batch["last"], norm, lm_head.weight, head.draft_token_ids(), head.t2d,
-                               batch["loss_mask"], batch["attention_mask"])
+        labels = target_labels(
+            batch["last"],
+            norm,
+            lm_head.weight,
+            head.draft_token_ids(),
+            head.t2d,
+            batch["loss_mask"],
+            batch["attention_mask"],
+        )
         stats = loss_fn(head, batch, labels, train_cfg, torch.Generator().manual_seed(1))
         stats.loss.backward()
-        results.append((stats.loss.detach(), {n: p.grad.clone() for n, p in head.named_parameters()
-                                              if p.grad is not None}))
+        results.append(
+            (
+                stats.loss.detach(),
+                {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None},
+            )
+        )
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert float(loss_a) > 0
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=1e-6)
@@ -144,8 +182,15 @@ def letters_llama_dir(tmp_path_factory):
 
 
 def _corpus(path, n=12):
-    rows = [{"conversations": [{"from": "human", "value": f"tell me about item {k} " + "w" * (k % 5)},
-                               {"from": "gpt", "value": "old"}]} for k in range(n)]
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"tell me about item {k} " + "w" * (k % 5)},
+                {"from": "gpt", "value": "old"},
+            ]
+        }
+        for k in range(n)
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
 
@@ -157,17 +202,32 @@ def test_capture_copies_regeneration_states_and_equals_a_full_capture(letters_ll
     import shutil
 
     corpus = _corpus(tmp_path / "c.jsonl")
-    common = [f"target.name_or_path={letters_llama_dir}", f"data.sources=[{corpus}]", "data.max_length=96",
-              "data.eval_fraction=0.2", "data.regenerate.enabled=true", "data.regenerate.max_new_tokens=12",
-              "data.regenerate.batch_size=5", "target.dtype=float32", "data.aux_layer_ids=[1,3,5]"]
+    common = [
+        f"target.name_or_path={letters_llama_dir}",
+        f"data.sources=[{corpus}]",
+        "data.max_length=96",
+        "data.eval_fraction=0.2",
+        "data.regenerate.enabled=true",
+        "data.regenerate.max_new_tokens=12",
+        "data.regenerate.batch_size=5",
+        "target.dtype=float32",
+        "data.aux_layer_ids=[1,3,5]",
+    ]
     kept, full = tmp_path / "kept", tmp_path / "full"
-    assert main(["prepare", "--no-progress", f"run_dir={kept}", *common, "data.regenerate.keep_states=true"]) == 0
+    assert (
+        main(["prepare", "--no-progress", f"run_dir={kept}", *common, "data.regenerate.keep_states=true"])
+        == 0
+    )
     assert list((kept / "prepared" / FED_STATES_DIR).glob("batch-*.safetensors"))
     shutil.copytree(kept / "prepared", full / "prepared")
     shutil.rmtree(full / "prepared" / FED_STATES_DIR)
     # a later file whose ids for conversation 0 are not its tokens: that sample runs the target
-    write_fed_states(kept / "prepared" / FED_STATES_DIR, {0: ([1, 2, 3], torch.zeros(3, 4 * 64))},
-                     fed_state_layer_ids([1, 3, 5], 8), str(letters_llama_dir))
+    write_fed_states(
+        kept / "prepared" / FED_STATES_DIR,
+        {0: ([1, 2, 3], torch.zeros(3, 4 * 64))},
+        fed_state_layer_ids([1, 3, 5], 8),
+        str(letters_llama_dir),
+    )
     capsys.readouterr()
     assert main(["capture", "--no-progress", f"run_dir={kept}", *common]) == 0
     out = capsys.readouterr().out

@@ -8,22 +8,28 @@ import json
 
 import pytest
 import torch
+from fake_hub_files import FakeHubFiles
 from safetensors.torch import load_file, save_file
+from test_export_helpers import HT, VT, random_head
 
 from eyas.cli import main
 from eyas.heads.export import ExportFormatError, export_head
 from eyas.heads.head_dir import TargetFacts
 from eyas.heads.load_export import load_exported_head
 from eyas.heads.validate import ExportValidationError, inspect_export, validate_export
-from fake_hub_files import FakeHubFiles
-from test_export_helpers import HT, VT, random_head
 
 EMBED = torch.zeros(VT, HT)
 
 
 def _facts(**kw):
-    base = dict(num_layers=8, hidden_size=HT, vocab_size=VT, model_type="llama", architectures=("LlamaForCausalLM",),
-                source="the verifier")
+    base = dict(
+        num_layers=8,
+        hidden_size=HT,
+        vocab_size=VT,
+        model_type="llama",
+        architectures=("LlamaForCausalLM",),
+        source="the verifier",
+    )
     return TargetFacts(**{**base, **kw})
 
 
@@ -86,14 +92,17 @@ def test_a_head_that_contradicts_its_verifier_is_refused_by_both(tmp_path):
 def test_the_verifier_config_on_this_machine_is_used_without_being_passed(tmp_path):
     verifier = tmp_path / "verifier"
     verifier.mkdir()
-    (verifier / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 8,
-                                                      "hidden_size": HT, "vocab_size": VT + 1}))
+    (verifier / "config.json").write_text(
+        json.dumps({"model_type": "llama", "num_hidden_layers": 8, "hidden_size": HT, "vocab_size": VT + 1})
+    )
     d = export_head(random_head(draft_vocab_size=100, verifier_name_or_path=str(verifier)), tmp_path / "h")
     assert any(f"vocab_size {VT} != the verifier's vocab_size {VT + 1}" in p for p in validate_export(d))
 
 
 def test_absent_aux_ids_take_vllms_default_for_the_verifier_with_a_note(tmp_path):
-    d = export_head(random_head(draft_vocab_size=100, aux_layer_ids=[2, 6, 9], target_num_layers=12), tmp_path / "h")
+    d = export_head(
+        random_head(draft_vocab_size=100, aux_layer_ids=[2, 6, 9], target_num_layers=12), tmp_path / "h"
+    )
     _edit(d, lambda c: (c.pop("eagle_aux_hidden_state_layer_ids"), c.pop("eyas")))
     hd, _ = inspect_export(d)
     assert any("not at hand" in p for p in hd.problems)  # no verifier facts: the layers are unknown
@@ -129,7 +138,9 @@ def files_hub(monkeypatch, tmp_path):
     hub = FakeHubFiles()
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}"
+    )
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
     monkeypatch.delenv("HF_TOKEN", raising=False)

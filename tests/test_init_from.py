@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from train_run_fixtures import prepare_run
 
 
@@ -31,8 +30,9 @@ def _target(tiny_llama_dir):
 def _source(exported_head, target):
     from eyas.heads.load_export import load_any_head
 
-    return load_any_head(exported_head, target_embed=target.model.get_input_embeddings().weight.detach(),
-                         dtype=torch.float32)
+    return load_any_head(
+        exported_head, target_embed=target.model.get_input_embeddings().weight.detach(), dtype=torch.float32
+    )
 
 
 def test_continued_run_starts_from_the_heads_weights_and_vocabulary(tmp_path, tiny_llama_dir, exported_head):
@@ -49,13 +49,18 @@ def test_continued_run_starts_from_the_heads_weights_and_vocabulary(tmp_path, ti
     theirs = source.state_dict()
     for name, t in head.state_dict().items():
         assert torch.equal(t, theirs[name].to(t.dtype)), name
-    fresh, _ = initial_head(recipe_from_dict({**recipe.model_dump(), "train": {**recipe.train.model_dump(),
-                                                                              "init_from": None}}),
-                            target, freqs, verifier=None)
+    fresh, _ = initial_head(
+        recipe_from_dict({**recipe.model_dump(), "train": {**recipe.train.model_dump(), "init_from": None}}),
+        target,
+        freqs,
+        verifier=None,
+    )
     assert not torch.equal(fresh.d2t, head.d2t)  # the head's d2t won over the data's
 
 
-def test_a_run_from_init_from_trains_and_keeps_the_head_shape(tmp_path, tiny_llama_dir, exported_head, caplog):
+def test_a_run_from_init_from_trains_and_keeps_the_head_shape(
+    tmp_path, tiny_llama_dir, exported_head, caplog
+):
     from eyas.heads.io import load_head
     from eyas.train.loop import train
 
@@ -72,14 +77,21 @@ def test_a_run_from_init_from_trains_and_keeps_the_head_shape(tmp_path, tiny_lla
     assert not torch.equal(tuned.fc.weight, source.fc.weight)  # it trained
 
 
-def test_recipe_fields_that_contradict_the_head_are_refused_naming_both(tmp_path, tiny_llama_dir, exported_head):
+def test_recipe_fields_that_contradict_the_head_are_refused_naming_both(
+    tmp_path, tiny_llama_dir, exported_head
+):
     from eyas.recipe import recipe_from_dict
     from eyas.train.build import InitFromError, init_from_config
 
     target = _target(tiny_llama_dir)
     source = _source(exported_head, target)
-    recipe = recipe_from_dict({"head": {"draft_vocab_size": 32, "fc_norm": True},
-                               "data": {"aux_layer_ids": [0, 1, 2]}, "train": {"init_from": "x"}})
+    recipe = recipe_from_dict(
+        {
+            "head": {"draft_vocab_size": 32, "fc_norm": True},
+            "data": {"aux_layer_ids": [0, 1, 2]},
+            "train": {"init_from": "x"},
+        }
+    )
     with pytest.raises(InitFromError) as err:
         init_from_config(recipe, source.config, target.config, "HEAD")
     msg = str(err.value)
@@ -96,7 +108,9 @@ def test_peagle_head_starts_from_an_eagle3_head(tiny_llama_dir, exported_head):
 
     target = _target(tiny_llama_dir)
     source = _source(exported_head, target)
-    recipe = recipe_from_dict({"head": {"algorithm": "peagle", "mask_token_id": 5}, "train": {"init_from": "x"}})
+    recipe = recipe_from_dict(
+        {"head": {"algorithm": "peagle", "mask_token_id": 5}, "train": {"init_from": "x"}}
+    )
     cfg = init_from_config(recipe, source.config, target.config, "HEAD", tokenizer=target.tokenizer)
     head, fresh = head_from_checkpoint(cfg, source, target.model)
     assert isinstance(head, PEagleHead) and cfg.mask_token_id == 5
@@ -124,11 +138,38 @@ def test_eval_compare_reports_both_heads_on_the_same_prompts(tmp_path, tiny_llam
         other.fc.weight.mul_(-1)  # a different head of the same shape
     other_dir = export_head(other, tmp_path / "other", verifier=str(tiny_llama_dir))
     workload = tmp_path / "prompts.jsonl"
-    workload.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("the cat sat", "two dogs ran past")))
+    workload.write_text(
+        "".join(json.dumps({"prompt": p}) + "\n" for p in ("the cat sat", "two dogs ran past"))
+    )
     out = tmp_path / "eval"
-    assert main(["eval", "--target", str(tiny_llama_dir), "--dtype", "float32", "--head", str(exported_head),
-                 "--compare", f"before={other_dir}", "--workload", str(workload), "--k", "3",
-                 "--max-new-tokens", "8", "--baseline", "none", "--out", str(out), "--json", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--target",
+                str(tiny_llama_dir),
+                "--dtype",
+                "float32",
+                "--head",
+                str(exported_head),
+                "--compare",
+                f"before={other_dir}",
+                "--workload",
+                str(workload),
+                "--k",
+                "3",
+                "--max-new-tokens",
+                "8",
+                "--baseline",
+                "none",
+                "--out",
+                str(out),
+                "--json",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert set(report["drafters"]) == {"head", "before"}
     assert report["compared"] == {"before": str(other_dir)}

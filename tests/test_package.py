@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_eyas_help_lists_every_stage():
-    out = subprocess.run([sys.executable, "-m", "eyas", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "eyas", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for stage in STAGES:
         assert stage in out
 
@@ -35,7 +37,9 @@ def test_no_stage_prints_help_and_fails(capsys):
 
 def test_import_from_any_directory(tmp_path):
     code = "import eyas.heads, eyas.data, eyas.train, eyas.eval, eyas.recipe; print('ok')"
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "ok"
 
 
@@ -91,7 +95,10 @@ def test_unknown_key_names_key_and_file(tmp_path):
 
 
 def test_overrides_are_typed_and_checked():
-    r = recipe_from_dict({"train": {"learning_rate": 1e-4}}, overrides=["train.learning_rate=3e-4", "data.sources=[a.json, b.json]", "head.num_layers=2"])
+    r = recipe_from_dict(
+        {"train": {"learning_rate": 1e-4}},
+        overrides=["train.learning_rate=3e-4", "data.sources=[a.json, b.json]", "head.num_layers=2"],
+    )
     assert r.train.learning_rate == 3e-4
     assert r.data.sources == ["a.json", "b.json"]
     assert r.head.num_layers == 2
@@ -108,7 +115,9 @@ def test_exclusive_norm_options_rejected():
 
 def test_copy_attention_only_for_eagle3_and_not_negative():
     with pytest.raises(RecipeError, match="copy_attention_weight"):
-        recipe_from_dict({"head": {"algorithm": "peagle", "mask_token_id": 3}, "train": {"copy_attention_weight": 1.0}})
+        recipe_from_dict(
+            {"head": {"algorithm": "peagle", "mask_token_id": 3}, "train": {"copy_attention_weight": 1.0}}
+        )
     with pytest.raises(RecipeError, match="copy_attention_weight"):
         recipe_from_dict({"train": {"copy_attention_weight": -1.0}})
     assert recipe_from_dict({"train": {"copy_attention_weight": 1.0}}).train.copy_attention_weight == 1.0
@@ -127,16 +136,44 @@ def test_packaged_file_names_the_install_command(tmp_path):
     assert packaged_file("eyas", "recipe.py", "eyas").is_file()
 
 
-@pytest.mark.parametrize("override", [
-    "train.grad_accum=0", "train.max_steps=-3", "train.max_steps=0", "train.epochs=0", "train.epochs=-1",
-    "train.batch_tokens=0", "train.learning_rate=-1e-4", "train.learning_rate=0", "train.betas=[0.9, 1.5]",
-    "train.warmup_steps=-1", "train.save_every=-1", "train.eval_every=-5", "train.keep_checkpoints=-1",
-    "train.cod_r=1.5", "train.ttt_steps=0", "data.eval_fraction=-0.1", "data.eval_fraction=1",
-    "data.eval_fraction=1.5", "data.max_length=0", "data.max_samples=0", "data.aux_layer_ids=[2, -1]",
-    "data.capture_batch_tokens=0", "head.num_layers=0", "head.draft_vocab_size=0", "head.hidden_size=0",
-    "head.speculative_tokens=0", "head.speculative_tokens=1000", "eval.k=0", "eval.k=500",
-    "eval.max_new_tokens=0", "eval.temperature=-1", "eval.ngram_min=0", "data.regenerate.concurrency=0",
-])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.grad_accum=0",
+        "train.max_steps=-3",
+        "train.max_steps=0",
+        "train.epochs=0",
+        "train.epochs=-1",
+        "train.batch_tokens=0",
+        "train.learning_rate=-1e-4",
+        "train.learning_rate=0",
+        "train.betas=[0.9, 1.5]",
+        "train.warmup_steps=-1",
+        "train.save_every=-1",
+        "train.eval_every=-5",
+        "train.keep_checkpoints=-1",
+        "train.cod_r=1.5",
+        "train.ttt_steps=0",
+        "data.eval_fraction=-0.1",
+        "data.eval_fraction=1",
+        "data.eval_fraction=1.5",
+        "data.max_length=0",
+        "data.max_samples=0",
+        "data.aux_layer_ids=[2, -1]",
+        "data.capture_batch_tokens=0",
+        "head.num_layers=0",
+        "head.draft_vocab_size=0",
+        "head.hidden_size=0",
+        "head.speculative_tokens=0",
+        "head.speculative_tokens=1000",
+        "eval.k=0",
+        "eval.k=500",
+        "eval.max_new_tokens=0",
+        "eval.temperature=-1",
+        "eval.ngram_min=0",
+        "data.regenerate.concurrency=0",
+    ],
+)
 def test_out_of_range_values_fail_at_load_naming_key_and_file(override, tmp_path):
     """A bad number fails when the recipe loads (before any target is loaded), with the
     key and the file in the message, not deep inside a stage."""
@@ -149,8 +186,17 @@ def test_out_of_range_values_fail_at_load_naming_key_and_file(override, tmp_path
 
 
 def test_in_range_edges_load():
-    r = recipe_from_dict({}, overrides=["data.eval_fraction=0", "train.warmup_steps=0", "train.max_grad_norm=0",
-                                        "train.max_steps=1", "head.speculative_tokens=64", "train.betas=[0, 0.999]"])
+    r = recipe_from_dict(
+        {},
+        overrides=[
+            "data.eval_fraction=0",
+            "train.warmup_steps=0",
+            "train.max_grad_norm=0",
+            "train.max_steps=1",
+            "head.speculative_tokens=64",
+            "train.betas=[0, 0.999]",
+        ],
+    )
     assert r.data.eval_fraction == 0 and r.train.max_grad_norm == 0 and r.head.speculative_tokens == 64
     with pytest.raises(RecipeError, match="ngram_max .* below eval.ngram_min"):
         recipe_from_dict({"eval": {"ngram_min": 6, "ngram_max": 3}})
@@ -158,10 +204,17 @@ def test_in_range_edges_load():
 
 def test_a_second_writer_of_a_run_dir_is_refused_naming_the_first(tmp_path, capsys):
     run = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               "from eyas.run_lock import claim_run_dir\n"
-                               f"claim_run_dir({str(run)!r}, 'train'); print('held', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from eyas.run_lock import claim_run_dir\n"
+            f"claim_run_dir({str(run)!r}, 'train'); print('held', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         assert main(["prepare", f"run_dir={run}", "data.sources=[nothing.jsonl]"]) == 3
@@ -177,7 +230,6 @@ def test_a_second_writer_of_a_run_dir_is_refused_naming_the_first(tmp_path, caps
 
 def test_known_failures_print_one_line_naming_the_thing(tmp_path, tiny_llama_dir, capsys):
     import yaml
-
     from train_run_fixtures import prepare_run
 
     recipe = prepare_run(tmp_path, tiny_llama_dir, "offline", n=8, max_steps=1)
@@ -204,8 +256,12 @@ def test_a_full_disk_is_said_in_words():
     from eyas.cli import known_failure
 
     assert "no space left" in known_failure(OSError(errno.ENOSPC, "No space left on device", "/run/ckpt/x"))
-    assert "disk full" in known_failure(RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos "
-                                                     "PytorchStreamWriter failed writing file data/0"))
+    assert "disk full" in known_failure(
+        RuntimeError(
+            "[enforce fail at inline_container.cc:664] . unexpected pos "
+            "PytorchStreamWriter failed writing file data/0"
+        )
+    )
     assert known_failure(ValueError("a bug")) is None
 
 
@@ -214,23 +270,35 @@ def test_an_unreachable_hub_is_said_in_words():
 
     from eyas.cli import known_failure
 
-    for err in (OfflineModeIsEnabled("Cannot reach https://huggingface.co/api/models/o/n: offline mode is enabled."),
-                LocalEntryNotFoundError("Cannot find the requested files in the disk cache")):
+    for err in (
+        OfflineModeIsEnabled("Cannot reach https://huggingface.co/api/models/o/n: offline mode is enabled."),
+        LocalEntryNotFoundError("Cannot find the requested files in the disk cache"),
+    ):
         line = known_failure(err)
-        assert "Hub cannot be reached" in line and str(err).splitlines()[0] in line and "local directory" in line
+        assert (
+            "Hub cannot be reached" in line and str(err).splitlines()[0] in line and "local directory" in line
+        )
 
 
 def test_offline_hub_names_are_one_line_saying_what_to_do(tmp_path, tiny_llama_dir, capsys):
     """The tests run offline: a Hub target or dataset not in the local cache is said in one
     line (what is missing, how to get it), never a retry traceback."""
     convs = tmp_path / "c.jsonl"
-    convs.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                              {"role": "assistant", "content": "hello"}]}) + "\n")
+    convs.write_text(
+        json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+        )
+        + "\n"
+    )
     cases = [
-        ([f"data.sources=[{convs}]", "target.name_or_path=someorg/not-cached-model"],
-         ["target 'someorg/not-cached-model'", "not in the local Hugging Face cache", "hf download"]),
-        (["data.sources=[someorg/not-cached-data]", f"target.name_or_path={tiny_llama_dir}"],
-         ["data source 'someorg/not-cached-data'", "cannot load it as a Hugging Face dataset", "local"]),
+        (
+            [f"data.sources=[{convs}]", "target.name_or_path=someorg/not-cached-model"],
+            ["target 'someorg/not-cached-model'", "not in the local Hugging Face cache", "hf download"],
+        ),
+        (
+            ["data.sources=[someorg/not-cached-data]", f"target.name_or_path={tiny_llama_dir}"],
+            ["data source 'someorg/not-cached-data'", "cannot load it as a Hugging Face dataset", "local"],
+        ),
     ]
     for overrides, said in cases:
         capsys.readouterr()

@@ -16,15 +16,29 @@ V, AUX = 50, 72
 
 
 def _cfg(**kw):
-    base = dict(algorithm="peagle", mask_token_id=V - 1, hidden_size=32, target_hidden_size=24, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=V, draft_vocab_size=V,
-                aux_layer_ids=[1, 2, 3], target_num_layers=4)
+    base = dict(
+        algorithm="peagle",
+        mask_token_id=V - 1,
+        hidden_size=32,
+        target_hidden_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=V,
+        draft_vocab_size=V,
+        aux_layer_ids=[1, 2, 3],
+        target_num_layers=4,
+    )
     base.update(kw)
     return DraftHeadConfig(**base)
 
 
-@pytest.mark.parametrize("opts", [dict(), dict(num_hidden_layers=2, fc_norm=True), dict(num_hidden_layers=3, norm_before_fc=True)],
-                         ids=["1-layer", "2-layer-fc_norm", "3-layer-input_norm"])
+@pytest.mark.parametrize(
+    "opts",
+    [dict(), dict(num_hidden_layers=2, fc_norm=True), dict(num_hidden_layers=3, norm_before_fc=True)],
+    ids=["1-layer", "2-layer-fc_norm", "3-layer-input_norm"],
+)
 def test_train_serve_equality(opts):
     torch.manual_seed(0)
     head = PEagleHead(_cfg(**opts)).double()
@@ -41,7 +55,9 @@ def test_train_serve_equality(opts):
         cache = head.new_cache()
         for p in range(int(am[i].sum())):
             # incremental serving: one committed step-0 entry per call, K = depths drafts
-            _, serve = head.draft(cache, nxt[i:i + 1, p:p + 1], aux[i:i + 1, p:p + 1], torch.tensor([[p]]), k=depths)
+            _, serve = head.draft(
+                cache, nxt[i : i + 1, p : p + 1], aux[i : i + 1, p : p + 1], torch.tensor([[p]]), k=depths
+            )
             assert cache.length == p + 1
             for j in (el.real[i] & (el.anchor[i] == p)).nonzero()[:, 0].tolist():
                 d = int(el.depth[i, j])
@@ -64,8 +80,11 @@ def test_segments_give_the_unsegmented_loss_and_gradients():
     torch.manual_seed(2)
     head = PEagleHead(_cfg(num_hidden_layers=2)).double()
     b, t = 2, 17
-    batch = {"input_ids": torch.randint(0, V - 1, (b, t)), "attention_mask": torch.ones(b, t, dtype=torch.long),
-             "aux": torch.randn(b, t, AUX, dtype=torch.double)}
+    batch = {
+        "input_ids": torch.randint(0, V - 1, (b, t)),
+        "attention_mask": torch.ones(b, t, dtype=torch.long),
+        "aux": torch.randn(b, t, AUX, dtype=torch.double),
+    }
     batch["attention_mask"][0, 13:] = 0
     labels = _random_labels(batch["attention_mask"], V, torch.Generator().manual_seed(0))
     results = []
@@ -84,7 +103,9 @@ def test_segments_give_the_unsegmented_loss_and_gradients():
     for name in g_full:
         # RMSNorm computes in float32 even in a float64 head; a prefix element's gradient
         # arrives in pieces (one per segment), each rounded there: float32-level agreement
-        torch.testing.assert_close(g_full[name], g_seg[name], rtol=1e-6, atol=1e-8, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            g_full[name], g_seg[name], rtol=1e-6, atol=1e-8, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 class _Tok:
@@ -123,7 +144,13 @@ def test_choose_mask_token_id_on_the_tiny_tokenizer(tiny_tokenizer):
 
 
 def test_peagle_loss_overfits_one_batch_of_a_tiny_target(tiny_llama_dir):
-    from eyas.data.targets import compute_features, default_aux_layer_ids, load_target, target_norm_and_lm_head, text_config
+    from eyas.data.targets import (
+        compute_features,
+        default_aux_layer_ids,
+        load_target,
+        target_norm_and_lm_head,
+        text_config,
+    )
     from eyas.heads.config import head_config_from_target
     from eyas.train.losses import target_labels
 
@@ -131,8 +158,14 @@ def test_peagle_loss_overfits_one_batch_of_a_tiny_target(tiny_llama_dir):
     tcfg = text_config(target.config)
     aux_ids = list(default_aux_layer_ids(tcfg.num_hidden_layers))
     mask_id = choose_mask_token_id(target.tokenizer, tcfg.vocab_size)
-    cfg = head_config_from_target(tcfg, aux_layer_ids=aux_ids, draft_vocab_size=tcfg.vocab_size, algorithm="peagle",
-                                  num_hidden_layers=2, mask_token_id=mask_id)
+    cfg = head_config_from_target(
+        tcfg,
+        aux_layer_ids=aux_ids,
+        draft_vocab_size=tcfg.vocab_size,
+        algorithm="peagle",
+        num_hidden_layers=2,
+        mask_token_id=mask_id,
+    )
     torch.manual_seed(0)
     head = PEagleHead(cfg)
     norm, lm_head = target_norm_and_lm_head(target.model)
@@ -158,7 +191,9 @@ def test_peagle_loss_overfits_one_batch_of_a_tiny_target(tiny_llama_dir):
             opt.step()
         # every element this time (r = r_min = 1)
         with torch.no_grad():
-            stats = peagle_loss(head, batch, labels, TrainSection(num_depths=3, cod_r=1.0, cod_r_min=1.0), gen)
+            stats = peagle_loss(
+                head, batch, labels, TrainSection(num_depths=3, cod_r=1.0, cod_r_min=1.0), gen
+            )
     finally:
         torch.set_num_threads(threads)
     acc = [h / c for h, c in zip(stats.hits, stats.counts)]
@@ -184,10 +219,12 @@ def test_flex_block_mask_gives_the_dense_mask_logits():
     el = compact(cod_grid(am, 4, 0.7, 0.1, torch.Generator().manual_seed(1)), t)
     with torch.no_grad():
         tokens, hidden = element_inputs(head, el, ids, torch.randn(b, t, AUX))
-        dense, _ = head.forward_step(tokens, hidden, el.positions, head.new_cache(),
-                                     peagle_dense_mask(el.anchor, el.depth, el.real))
-        flex, _ = head.forward_step(tokens, hidden, el.positions, head.new_cache(),
-                                    peagle_block_mask(el.anchor, el.depth, el.real))
+        dense, _ = head.forward_step(
+            tokens, hidden, el.positions, head.new_cache(), peagle_dense_mask(el.anchor, el.depth, el.real)
+        )
+        flex, _ = head.forward_step(
+            tokens, hidden, el.positions, head.new_cache(), peagle_block_mask(el.anchor, el.depth, el.real)
+        )
     torch.testing.assert_close(flex[el.real], dense[el.real], rtol=1e-5, atol=1e-5)
 
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-
 from train_run_fixtures import prepare_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,8 +21,12 @@ PEAGLE_RECIPES = sorted((REPO / "recipes").glob("*-peagle.yaml"))
 
 def test_all_four_peagle_recipes_ship():
     names = {p.name for p in PEAGLE_RECIPES}
-    assert names == {"smollm2-135m-peagle.yaml", "gpt-oss-20b-peagle.yaml", "gpt-oss-120b-peagle.yaml",
-                     "qwen3-coder-30b-a3b-peagle.yaml"}
+    assert names == {
+        "smollm2-135m-peagle.yaml",
+        "gpt-oss-20b-peagle.yaml",
+        "gpt-oss-120b-peagle.yaml",
+        "qwen3-coder-30b-a3b-peagle.yaml",
+    }
 
 
 @pytest.mark.parametrize("path", PEAGLE_RECIPES, ids=lambda p: p.stem)
@@ -42,8 +45,14 @@ def test_peagle_recipe_is_a_valid_peagle_run(path):
 
 
 def _launch(recipe_path: Path):
-    return subprocess.Popen([sys.executable, "-m", "eyas.train", "--recipe", str(recipe_path), "--no-progress"],
-                            cwd=REPO, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "eyas.train", "--recipe", str(recipe_path), "--no-progress"],
+        cwd=REPO,
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @pytest.mark.slow
@@ -56,8 +65,16 @@ def test_peagle_sigkill_then_resume_matches_uninterrupted_run(tmp_path, tiny_lla
         tree["run_dir"] = str(tmp_path / name)
         tree["head"].update(algorithm="peagle", num_layers=2)
         # segments of 8 anchors: the checkpointed multi-segment path runs too
-        tree["train"].update(max_steps=total, save_every=3, eval_every=0, log_every=5, num_depths=3, cod_r=0.7,
-                             cod_r_min=0.2, segment_length=8)
+        tree["train"].update(
+            max_steps=total,
+            save_every=3,
+            eval_every=0,
+            log_every=5,
+            num_depths=3,
+            cod_r=0.7,
+            cod_r_min=0.2,
+            segment_length=8,
+        )
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(tree))
         run = Path(tree["run_dir"])
@@ -73,7 +90,9 @@ def test_peagle_sigkill_then_resume_matches_uninterrupted_run(tmp_path, tiny_lla
     proc = _launch(path)
     deadline = time.time() + 600
     while not (run / "checkpoints" / "step-00000006").is_dir():
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else ""
+        assert proc.poll() is None and time.time() < deadline, (
+            proc.stdout.read() if proc.poll() is not None else ""
+        )
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()

@@ -52,7 +52,10 @@ def test_plan_calibrate_cli_saves_a_profile_the_planner_reuses(recorded, tmp_pat
     bench = tmp_path / "bench" / "bench_serve.json"
     bench.parent.mkdir()
     bench.write_text(json.dumps(recorded))
-    run = lambda *a: subprocess.run([sys.executable, "-m", "eyas", "plan", *a], capture_output=True, text=True)  # noqa: E731
+
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "eyas", "plan", *a], capture_output=True, text=True)
+
     out = run("--calibrate", str(bench), "--json")
     assert out.returncode == 0, out.stderr
     body = json.loads(out.stdout)
@@ -61,8 +64,19 @@ def test_plan_calibrate_cli_saves_a_profile_the_planner_reuses(recorded, tmp_pat
     assert profile == bench.parent / "hardware-calibrated.json"
     hw = P.load_hardware(str(profile))
     assert hw.pass_overhead == pytest.approx(body["hardware"]["pass_overhead"])
-    planned = run("--hardware", str(profile), "--target-params", "smollm2-135m", "--acceptance", "0.6,0.4,0.3",
-                  "--concurrency", "1,8", "--out", str(tmp_path / "plan"), "--json")
+    planned = run(
+        "--hardware",
+        str(profile),
+        "--target-params",
+        "smollm2-135m",
+        "--acceptance",
+        "0.6,0.4,0.3",
+        "--concurrency",
+        "1,8",
+        "--out",
+        str(tmp_path / "plan"),
+        "--json",
+    )
     assert planned.returncode == 0, planned.stderr
     plan = json.loads(planned.stdout)
     assert plan["plans"]["eagle3"]["hardware"]["name"] == hw.name
@@ -88,7 +102,10 @@ def test_target_sizes_from_config_count_the_real_parameters(family):
     real = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name)
     assert size.total_params == pytest.approx(real, rel=0.01)
     if family == "qwen3_moe":
-        assert size.num_experts == cfg.get("num_experts", cfg.get("num_local_experts")) and 0 < size.active_params < size.total_params
+        assert (
+            size.num_experts == cfg.get("num_experts", cfg.get("num_local_experts"))
+            and 0 < size.active_params < size.total_params
+        )
 
 
 def test_vram_tax_counts_fewer_sequences_with_the_head():
@@ -107,10 +124,32 @@ def test_vram_tax_counts_fewer_sequences_with_the_head():
 
 
 def test_plan_warns_when_most_draft_tokens_would_be_rejected(tmp_path):
-    run = lambda acc: json.loads(subprocess.run(  # noqa: E731
-        [sys.executable, "-m", "eyas", "plan", "--acceptance", acc, "--hardware", "H200", "--target-params",
-         "llama-3.1-8b", "--concurrency", "1,64", "--out", str(tmp_path), "--json"],
-        capture_output=True, text=True, check=True).stdout)["recommendation"]
+    def run(acc):
+        return json.loads(
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "eyas",
+                    "plan",
+                    "--acceptance",
+                    acc,
+                    "--hardware",
+                    "H200",
+                    "--target-params",
+                    "llama-3.1-8b",
+                    "--concurrency",
+                    "1,64",
+                    "--out",
+                    str(tmp_path),
+                    "--json",
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )["recommendation"]
+
     low = run("0.2,0.1")
     assert low["warnings"] and "TAR" in low["warnings"][0]
     high = run("0.9,0.85,0.8")

@@ -18,10 +18,14 @@ def best(p, b):
 
 def test_dense_target_speedup_falls_with_concurrency_and_stops_paying():
     t = TARGETS["llama-3.1-8b"]
-    p = plan(ACC, HARDWARE["H200"], t, head_size(t, "eagle3"), context=1024, concurrency=[1, 4, 16, 64, 256, 1024])
+    p = plan(
+        ACC, HARDWARE["H200"], t, head_size(t, "eagle3"), context=1024, concurrency=[1, 4, 16, 64, 256, 1024]
+    )
     curve = [best(p, b) for b in p.concurrency]
     assert curve[0] > 1.5
-    assert all(b <= a + 1e-9 for a, b in zip(curve[2:], curve[3:]))  # falls once the verify pass turns compute-bound
+    assert all(
+        b <= a + 1e-9 for a, b in zip(curve[2:], curve[3:])
+    )  # falls once the verify pass turns compute-bound
     assert curve[0] > curve[-1]
     assert p.breakeven_concurrency is not None and curve[-1] <= 1.0
     # the best K shrinks as the batch grows
@@ -36,7 +40,8 @@ def test_speedup_uses_the_expected_length_formula():
     q = plan([0.5] * 8, hw, t, head_size(t, "peagle"), concurrency=[1])
     for k in (1, 4, 8):  # same costs, so the speedup ratio is the ratio of E_K
         assert p.speedup[1][k] / q.speedup[1][k] == pytest.approx(
-            expected_tokens_per_step(a[:k]) / expected_tokens_per_step([0.5] * k))
+            expected_tokens_per_step(a[:k]) / expected_tokens_per_step([0.5] * k)
+        )
 
 
 @pytest.mark.parametrize("name", ["gpt-oss-20b", "gpt-oss-120b", "qwen3-coder-30b-a3b"])
@@ -56,7 +61,9 @@ def test_peagle_over_eagle3_reproduces_the_published_shape(name):
 
 def test_parse_target_sizes():
     assert parse_target("GPT-OSS-20B").active_params < parse_target("gpt-oss-20b").total_params
-    t = parse_target("total_params=7e9,num_layers=32,hidden_size=4096,num_heads=32,num_kv_heads=8,head_dim=128,vocab_size=32000")
+    t = parse_target(
+        "total_params=7e9,num_layers=32,hidden_size=4096,num_heads=32,num_kv_heads=8,head_dim=128,vocab_size=32000"
+    )
     assert t.active_params == 7e9 and t.num_layers == 32
     with pytest.raises(ValueError, match="unknown target"):
         parse_target("gpt-5")
@@ -68,16 +75,41 @@ def test_plan_cli_prints_inputs_config_and_writes_png(tmp_path, capsys):
     report = {"algorithm": "peagle", "drafters": {"head": {"per_position_acceptance": [0.8, 0.7, 0.6, None]}}}
     path = tmp_path / "eval_report.json"
     path.write_text(json.dumps(report))
-    rc = main(["plan", "--report", str(path), "--hardware", "B200", "--target-params", "gpt-oss-120b",
-               "--out", str(tmp_path), "run_dir=" + str(tmp_path / "run")])
+    rc = main(
+        [
+            "plan",
+            "--report",
+            str(path),
+            "--hardware",
+            "B200",
+            "--target-params",
+            "gpt-oss-120b",
+            "--out",
+            str(tmp_path),
+            "run_dir=" + str(tmp_path / "run"),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "hardware B200" in out and "gpt-oss-120b" in out and "acceptance a_k: 0.800, 0.700, 0.600" in out
     config = json.loads(out.split("--speculative-config '")[1].split("'")[0])
     assert config["parallel_drafting"] is True and 1 <= config["num_speculative_tokens"] <= 8
     assert (tmp_path / "plan.png").stat().st_size > 1000
-    rc = main(["plan", "--acceptance", "0.7,0.6", "--hardware", "L4", "--target-params", "llama-3.1-8b", "--compare",
-               "--json", "--out", str(tmp_path)])
+    rc = main(
+        [
+            "plan",
+            "--acceptance",
+            "0.7,0.6",
+            "--hardware",
+            "L4",
+            "--target-params",
+            "llama-3.1-8b",
+            "--compare",
+            "--json",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     body = json.loads(capsys.readouterr().out)
     assert set(body["plans"]) == {"eagle3", "peagle"}
 
@@ -87,36 +119,70 @@ def test_plan_cli_serves_the_head_the_report_measured(tmp_path, capsys):
 
     from eyas.cli import main
 
-    report = {"algorithm": "eagle3", "head": "runs/my-head/export",
-              "drafters": {"head": {"per_position_acceptance": [0.8, 0.7, 0.6]}}}
+    report = {
+        "algorithm": "eagle3",
+        "head": "runs/my-head/export",
+        "drafters": {"head": {"per_position_acceptance": [0.8, 0.7, 0.6]}},
+    }
     path = tmp_path / "eval_report.json"
     path.write_text(json.dumps(report))
-    assert main(["plan", "--report", str(path), "--hardware", "H200", "--target-params", "llama-3.1-8b",
-                 "--out", str(tmp_path / "plan")]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--report",
+                str(path),
+                "--hardware",
+                "H200",
+                "--target-params",
+                "llama-3.1-8b",
+                "--out",
+                str(tmp_path / "plan"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert '"model": "runs/my-head/export"' in out and (tmp_path / "plan" / "plan.png").is_file()
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--acceptance", "0.7,1.3"], r"acceptances must be numbers in \[0, 1\]"),
-    (["--acceptance", "0.7,-0.1"], r"acceptances must be numbers in \[0, 1\]"),
-    (["--acceptance", "0.7,x"], "expected numbers"),
-    (["--acceptance", "0.7", "--concurrency", "1,0"], "--concurrency values must be at least 1"),
-    (["--acceptance", "0.7", "--concurrency", "1,two"], "expected whole numbers"),
-    (["--acceptance", "0.7", "--max-k", "0"], "--max-k must be at least 1"),
-    (["--acceptance", "0.7", "--max-k", "500"], "--max-k must be at most 64"),
-    (["--acceptance", "0.7", "--context", "0"], "--context must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--acceptance", "0.7,1.3"], r"acceptances must be numbers in \[0, 1\]"),
+        (["--acceptance", "0.7,-0.1"], r"acceptances must be numbers in \[0, 1\]"),
+        (["--acceptance", "0.7,x"], "expected numbers"),
+        (["--acceptance", "0.7", "--concurrency", "1,0"], "--concurrency values must be at least 1"),
+        (["--acceptance", "0.7", "--concurrency", "1,two"], "expected whole numbers"),
+        (["--acceptance", "0.7", "--max-k", "0"], "--max-k must be at least 1"),
+        (["--acceptance", "0.7", "--max-k", "500"], "--max-k must be at most 64"),
+        (["--acceptance", "0.7", "--context", "0"], "--context must be at least 1"),
+    ],
+)
 def test_plan_names_the_bad_flag(flags, message, tmp_path):
     with pytest.raises(SystemExit, match=message):
-        main(["plan", *flags, "--hardware", "H200", "--target-params", "llama-3.1-8b", "--out", str(tmp_path)])
+        main(
+            ["plan", *flags, "--hardware", "H200", "--target-params", "llama-3.1-8b", "--out", str(tmp_path)]
+        )
 
 
-@pytest.mark.parametrize("content", ["", "{not json", "[1, 2]",
-                                     '{"drafters": {"head": {"per_position_acceptance": [0.5, 7]}}}'])
+@pytest.mark.parametrize(
+    "content", ["", "{not json", "[1, 2]", '{"drafters": {"head": {"per_position_acceptance": [0.5, 7]}}}']
+)
 def test_plan_names_a_damaged_report(content, tmp_path):
     path = tmp_path / "eval_report.json"
     path.write_text(content)
     with pytest.raises(SystemExit, match=str(path)):
-        main(["plan", "--report", str(path), "--hardware", "H200", "--target-params", "llama-3.1-8b",
-              "--out", str(tmp_path)])
+        main(
+            [
+                "plan",
+                "--report",
+                str(path),
+                "--hardware",
+                "H200",
+                "--target-params",
+                "llama-3.1-8b",
+                "--out",
+                str(tmp_path),
+            ]
+        )

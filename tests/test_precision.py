@@ -30,8 +30,9 @@ def timed(monkeypatch, tmp_path):
     return set_times
 
 
-@pytest.mark.parametrize("bf16, fp32, dtype, mixed", [(0.004, 0.008, "bfloat16", "bf16"),
-                                                      (0.010, 0.005, "float32", "no")])
+@pytest.mark.parametrize(
+    "bf16, fp32, dtype, mixed", [(0.004, 0.008, "bfloat16", "bf16"), (0.010, 0.005, "float32", "no")]
+)
 def test_auto_takes_the_faster_dtype_and_caches_the_verdict(timed, caplog, bf16, fp32, dtype, mixed):
     calls = timed(bf16, fp32)
     with caplog.at_level(logging.INFO, logger="eyas.precision"):
@@ -66,7 +67,10 @@ def test_a_damaged_cache_is_measured_again(timed):
     path = precision.cache_dir() / precision.CACHE_NAME
     path.parent.mkdir(parents=True)
     path.write_text('{"cut off')
-    assert precision.resolve_dtype("auto", "cpu") == "float32" and set(calls) == {torch.bfloat16, torch.float32}
+    assert precision.resolve_dtype("auto", "cpu") == "float32" and set(calls) == {
+        torch.bfloat16,
+        torch.float32,
+    }
     assert json.loads(path.read_text())
 
 
@@ -82,7 +86,12 @@ def test_shapes_come_from_the_model_config(tiny_llama_dir):
 
     config = AutoConfig.from_pretrained(tiny_llama_dir)
     s = precision.shapes_of_config(config, rows=32, vocab=100)
-    assert (s.hidden, s.intermediate, s.vocab, s.rows) == (config.hidden_size, config.intermediate_size, 100, 32)
+    assert (s.hidden, s.intermediate, s.vocab, s.rows) == (
+        config.hidden_size,
+        config.intermediate_size,
+        100,
+        32,
+    )
     big = precision.MatmulShapes(hidden=2880, intermediate=2880, vocab=201088, rows=4096).timed()
     assert big.vocab == precision.MAX_TIMED_VOCAB and big.rows == precision.MAX_TIMED_ROWS
 

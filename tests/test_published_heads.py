@@ -50,7 +50,8 @@ def scaled_config(name: str) -> dict:
 
 def _aux_count(raw: dict) -> int:
     ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+        "eagle_aux_hidden_state_layer_ids"
+    )
     return len(ids) if ids else 3
 
 
@@ -67,16 +68,28 @@ def producer_tensors(raw: dict, producer: str) -> dict[str, torch.Tensor]:
     n, layers = _aux_count(raw), layer["num_hidden_layers"]
     vd = raw.get("draft_vocab_size", VT)
     q, kv = HEADS * HD, layer.get("num_key_value_heads", HEADS) * HD
-    out = {"fc.weight": rand(H, n * H), "norm.weight": torch.ones(H, dtype=dtype), "lm_head.weight": rand(vd, H)}
+    out = {
+        "fc.weight": rand(H, n * H),
+        "norm.weight": torch.ones(H, dtype=dtype),
+        "lm_head.weight": rand(vd, H),
+    }
     for i in range(layers):
         p = "midlayer." if producer != "speculators" and layers == 1 else f"layers.{i}."
         width = 2 * H if i == 0 else H
-        out.update({p + "self_attn.q_proj.weight": rand(q, width), p + "self_attn.k_proj.weight": rand(kv, width),
-                    p + "self_attn.v_proj.weight": rand(kv, width), p + "self_attn.o_proj.weight": rand(H, q),
-                    p + "mlp.gate_proj.weight": rand(INTER, H), p + "mlp.up_proj.weight": rand(INTER, H),
-                    p + "mlp.down_proj.weight": rand(H, INTER), p + "input_layernorm.weight": torch.ones(H, dtype=dtype),
-                    p + "post_attention_layernorm.weight": torch.ones(H, dtype=dtype),
-                    p + "hidden_norm.weight": torch.ones(H, dtype=dtype)})
+        out.update(
+            {
+                p + "self_attn.q_proj.weight": rand(q, width),
+                p + "self_attn.k_proj.weight": rand(kv, width),
+                p + "self_attn.v_proj.weight": rand(kv, width),
+                p + "self_attn.o_proj.weight": rand(H, q),
+                p + "mlp.gate_proj.weight": rand(INTER, H),
+                p + "mlp.up_proj.weight": rand(INTER, H),
+                p + "mlp.down_proj.weight": rand(H, INTER),
+                p + "input_layernorm.weight": torch.ones(H, dtype=dtype),
+                p + "post_attention_layernorm.weight": torch.ones(H, dtype=dtype),
+                p + "hidden_norm.weight": torch.ones(H, dtype=dtype),
+            }
+        )
     if vd != VT:
         ids = torch.sort(torch.randperm(VT, generator=g)[:vd]).values
         out["d2t"] = ids - torch.arange(vd)
@@ -97,18 +110,28 @@ def producer_tensors(raw: dict, producer: str) -> dict[str, torch.Tensor]:
 
 
 def _producer(name: str) -> str:
-    return name.split("_", 1)[0] if name.split("_", 1)[0] in ("specforge", "modelopt", "eagle") else "speculators"
+    return (
+        name.split("_", 1)[0]
+        if name.split("_", 1)[0] in ("specforge", "modelopt", "eagle")
+        else "speculators"
+    )
 
 
 def _facts(name: str) -> TargetFacts:
     facts = json.loads((FIXTURES / name / "verifier.json").read_text())
     raw = json.loads((FIXTURES / name / "config.json").read_text())
     ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+        "eagle_aux_hidden_state_layer_ids"
+    )
     layers = facts["num_hidden_layers"] or max(ids) + 1  # unknown: the least the aux ids allow
-    return TargetFacts(num_layers=layers, hidden_size=H, vocab_size=VT,
-                       model_type=facts.get("model_type", "llama"), architectures=tuple(facts.get("architectures", ())),
-                       source=f"{facts['name_or_path']} (scaled)")
+    return TargetFacts(
+        num_layers=layers,
+        hidden_size=H,
+        vocab_size=VT,
+        model_type=facts.get("model_type", "llama"),
+        architectures=tuple(facts.get("architectures", ())),
+        source=f"{facts['name_or_path']} (scaled)",
+    )
 
 
 def _write(tmp_path, name):
@@ -130,20 +153,28 @@ def test_published_head_imports_and_check_agrees(tmp_path, name, capsys):
     head = load_exported_head(d, target_embed=torch.zeros(VT, H), target=facts)
     cfg = head.config
     published_ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+        "eagle_aux_hidden_state_layer_ids"
+    )
     L = facts.num_layers
     assert cfg.aux_layer_ids == (published_ids or [2, L // 2, L - 3])
     assert cfg.draft_vocab_size == raw.get("draft_vocab_size", VT) and cfg.target_num_layers == L
     # what was imported exports again into a directory both read the same way
     verifier_id = json.loads((FIXTURES / name / "verifier.json").read_text())["name_or_path"]
-    again = export_head(head, tmp_path / "again", fmt="speculators" if "speculators_config" in raw else "eagle",
-                        verifier=verifier_id)
+    again = export_head(
+        head,
+        tmp_path / "again",
+        fmt="speculators" if "speculators_config" in raw else "eagle",
+        verifier=verifier_id,
+    )
     assert validate_export(again, facts) == []
     # and the command agrees (with the verifier given as a local config)
     verifier = tmp_path / "verifier"
     verifier.mkdir()
-    (verifier / "config.json").write_text(json.dumps({"model_type": facts.model_type, "num_hidden_layers": L,
-                                                      "hidden_size": H, "vocab_size": VT}))
+    (verifier / "config.json").write_text(
+        json.dumps(
+            {"model_type": facts.model_type, "num_hidden_layers": L, "hidden_size": H, "vocab_size": VT}
+        )
+    )
     assert main(["export", "--check", str(d), "--target", str(verifier)]) == 0
     capsys.readouterr()
 
@@ -154,8 +185,14 @@ def test_published_head_against_a_wrong_verifier_is_refused_by_both(tmp_path, na
     from eyas.heads.validate import ExportValidationError
 
     d, _ = _write(tmp_path, name)
-    wrong = TargetFacts(num_layers=_facts(name).num_layers, hidden_size=H, vocab_size=VT + 8, model_type="llama",
-                        architectures=(), source="a wrong verifier")
+    wrong = TargetFacts(
+        num_layers=_facts(name).num_layers,
+        hidden_size=H,
+        vocab_size=VT + 8,
+        model_type="llama",
+        architectures=(),
+        source="a wrong verifier",
+    )
     problems = validate_export(d, wrong)
     assert any("vocab_size 320 != the verifier's vocab_size 328" in p for p in problems)
     with pytest.raises(ExportValidationError) as err:
@@ -173,12 +210,17 @@ def test_amazon_peagle_tensor_layout_imports(tmp_path):
     from safetensors.torch import load_file
 
     tensors = load_file(str(d / "model.safetensors"))
-    renamed = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
+    renamed = {
+        ("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v
+        for k, v in tensors.items()
+    }
     renamed["mask_hidden"] = renamed["mask_hidden"].reshape(1, 1, -1)
     renamed.pop("t2d")
     save_file(renamed, str(d / "model.safetensors"))
     assert validate_export(d) == []
     head = load_exported_head(d)
     assert torch.equal(head.mask_hidden, src.mask_hidden.to(head.mask_hidden.dtype))
-    assert torch.equal(head.layers[0].self_attn.q_proj.weight, src.layers[0].self_attn.q_proj.weight.to(torch.bfloat16))
+    assert torch.equal(
+        head.layers[0].self_attn.q_proj.weight, src.layers[0].self_attn.q_proj.weight.to(torch.bfloat16)
+    )
     assert torch.equal(head.t2d, src.t2d)

@@ -8,11 +8,11 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from test_export_helpers import random_head
 
 from eyas.cli import main
 from eyas.heads.export import export_head
 from eyas.heads.hub import PushError, is_transient, model_card, plan_push, push_head, with_retries
-from test_export_helpers import random_head
 
 TOKEN = "hf_eyasTESTtoken0123456789abcdef"
 
@@ -41,14 +41,23 @@ class FakeHub:
 
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                hub.requests.append({"path": self.path, "auth": self.headers.get("authorization"), "body": body})
+                hub.requests.append(
+                    {"path": self.path, "auth": self.headers.get("authorization"), "body": body}
+                )
                 if self.path == "/api/repos/create":
                     req = json.loads(body)
                     return self._reply(200, {"url": f"{hub.url}/{req.get('organization')}/{req['name']}"})
                 if "/preupload/" in self.path:
                     files = json.loads(body)["files"]
-                    return self._reply(200, {"files": [{"path": f["path"], "uploadMode": "regular",
-                                                        "shouldIgnore": False} for f in files]})
+                    return self._reply(
+                        200,
+                        {
+                            "files": [
+                                {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                for f in files
+                            ]
+                        },
+                    )
                 if "/branch/" in self.path or self.path == "/api/validate-yaml":
                     return self._reply(200, {})
                 if "/commit/" in self.path:
@@ -59,8 +68,14 @@ class FakeHub:
                         item = json.loads(line)
                         if item["key"] == "file":
                             hub.files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
-                    return self._reply(200, {"commitUrl": f"{hub.url}/org/x/commit/" + "a" * 40, "commitOid": "a" * 40,
-                                             "success": True})
+                    return self._reply(
+                        200,
+                        {
+                            "commitUrl": f"{hub.url}/org/x/commit/" + "a" * 40,
+                            "commitOid": "a" * 40,
+                            "success": True,
+                        },
+                    )
                 return self._reply(404, {"error": f"unknown {self.path}"})
 
             def do_GET(self):  # huggingface_hub's own side lookups; not part of the push
@@ -89,11 +104,16 @@ def hub(monkeypatch):
 
 @pytest.fixture
 def exported(tmp_path):
-    d = export_head(random_head(algorithm="peagle", draft_vocab_size=100, mask_token_id=3, num_hidden_layers=2),
-                    tmp_path / "export")
+    d = export_head(
+        random_head(algorithm="peagle", draft_vocab_size=100, mask_token_id=3, num_hidden_layers=2),
+        tmp_path / "export",
+    )
     (d / "training_summary.json").write_text(json.dumps({"data_sources": ["sharegpt.jsonl"], "steps": 1234}))
-    (d / "eval_report.json").write_text(json.dumps({"workload": "mtbench", "tau": 3.21, "tar": 0.61,
-                                                    "per_position_acceptance": [0.9, 0.7, 0.5, 0.3]}))
+    (d / "eval_report.json").write_text(
+        json.dumps(
+            {"workload": "mtbench", "tau": 3.21, "tar": 0.61, "per_position_acceptance": [0.9, 0.7, 0.5, 0.3]}
+        )
+    )
     (d / "notes.txt").write_text("private notes")
     return d
 
@@ -115,9 +135,19 @@ def test_push_uploads_head_files_and_card(hub, exported, tmp_path, capsys, caplo
     assert hub.files["model.safetensors"] == (exported / "model.safetensors").read_bytes()
     assert hub.files["config.json"] == (exported / "config.json").read_bytes()
     card = hub.files["README.md"].decode()
-    for words in ("org/tiny-target", "P-EAGLE", "| speculative tokens K | 4 |", "1, 4, 6", "100 of 320",
-                  "sharegpt.jsonl", "optimizer steps: 1234", "| tau | 3.21 |", "0.700", "parallel_drafting",
-                  "vllm serve org/tiny-target"):
+    for words in (
+        "org/tiny-target",
+        "P-EAGLE",
+        "| speculative tokens K | 4 |",
+        "1, 4, 6",
+        "100 of 320",
+        "sharegpt.jsonl",
+        "optimizer steps: 1234",
+        "| tau | 3.21 |",
+        "0.700",
+        "parallel_drafting",
+        "vllm serve org/tiny-target",
+    ):
         assert words in card, words
     create = next(r for r in hub.requests if r["path"] == "/api/repos/create")
     assert json.loads(create["body"])["visibility"] == "private"
@@ -196,13 +226,22 @@ def test_a_head_naming_a_local_verifier_is_not_pushed(hub, tmp_path, capsys):
     assert "target.hub_id" in capsys.readouterr().err
     # the card of such a head links nothing on the Hub
     card = model_card(d, "org/head")
-    assert "base_model" not in card and "huggingface.co//" not in card and "huggingface.co/" + str(tmp_path) not in card
+    assert (
+        "base_model" not in card
+        and "huggingface.co//" not in card
+        and "huggingface.co/" + str(tmp_path) not in card
+    )
 
 
 def test_card_names_local_data_by_file_name_and_missing_metrics_as_na(exported):
-    (exported / "training_summary.json").write_text(json.dumps(
-        {"data_sources": ["/home/me/secret/convs.jsonl", "sharegpt", "someorg/chats"], "steps": 10}))
-    (exported / "eval_report.json").write_text(json.dumps({"tau": 2.0, "per_position_acceptance": [0.8, None, None]}))
+    (exported / "training_summary.json").write_text(
+        json.dumps(
+            {"data_sources": ["/home/me/secret/convs.jsonl", "sharegpt", "someorg/chats"], "steps": 10}
+        )
+    )
+    (exported / "eval_report.json").write_text(
+        json.dumps({"tau": 2.0, "per_position_acceptance": [0.8, None, None]})
+    )
     card = plan_push(exported, "org/head").card
     assert "/home/me" not in card and "local file convs.jsonl, sharegpt, someorg/chats" in card
     assert "| acceptance | 0.800 | n/a | n/a |" in card
@@ -215,8 +254,12 @@ def test_recipe_hub_id_is_the_verifier_of_a_head_trained_from_a_local_dir(tmp_pa
 
     recipe = prepare_run(tmp_path, tiny_llama_dir, "online", n=8, max_steps=1)
     run = str(recipe.run_dir)
-    overrides = [f"run_dir={run}", f"target.name_or_path={tiny_llama_dir}", "target.hub_id=someorg/tiny-llama",
-                 "train.max_steps=1"]
+    overrides = [
+        f"run_dir={run}",
+        f"target.name_or_path={tiny_llama_dir}",
+        "target.hub_id=someorg/tiny-llama",
+        "train.max_steps=1",
+    ]
     import yaml
 
     path = tmp_path / "r.yaml"
@@ -224,17 +267,15 @@ def test_recipe_hub_id_is_the_verifier_of_a_head_trained_from_a_local_dir(tmp_pa
     assert main(["train", "--no-progress", "-r", str(path), *overrides]) == 0
     assert main(["export", "-r", str(path), *overrides]) == 0
     export = recipe.paths.export
-    assert export_config(export).verifier_name_or_path == \
-        "someorg/tiny-llama"
+    assert export_config(export).verifier_name_or_path == "someorg/tiny-llama"
     assert plan_push(export, "org/head").files  # pushable now
 
 
 def test_export_with_target_hub_id_corrects_a_head_trained_under_a_local_path(tmp_path, tiny_llama_dir):
     """A head already trained naming a local verifier is made pushable by re-exporting it
     with target.hub_id, without training again."""
-    from train_run_fixtures import prepare_run
-
     import yaml
+    from train_run_fixtures import prepare_run
 
     recipe = prepare_run(tmp_path, tiny_llama_dir, "online", n=8, max_steps=1)
     path = tmp_path / "r.yaml"

@@ -3,21 +3,31 @@ templates: exactness of the conversion, and loss masks on multi-turn conversatio
 reasoning, rendered the way each real template does."""
 
 import pytest
-
-from eyas.data.templates import render_with_mask
 from real_formats import gpt_oss_tokenizer, llama3_tokenizer, qwen3_coder_tokenizer, qwen3_tokenizer
 
-TEXTS = ["héllo  wörld\n\n\t  x", "日本語のテキスト 🤖🚀 مرحبا", "def f(x):\n    return x**2  # ok\n\n\n",
-         "I'm sure they'll've DONE it's 12345678 times", "   leading spaces and trailing   ", "a\r\nb\rc"]
-CONV = [{"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi there"},
-        {"role": "assistant", "content": "Hello!", "reasoning": "greet back"},
-        {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "content": "4.", "reasoning": "add them"}]
+from eyas.data.templates import render_with_mask
+
+TEXTS = [
+    "héllo  wörld\n\n\t  x",
+    "日本語のテキスト 🤖🚀 مرحبا",
+    "def f(x):\n    return x**2  # ok\n\n\n",
+    "I'm sure they'll've DONE it's 12345678 times",
+    "   leading spaces and trailing   ",
+    "a\r\nb\rc",
+]
+CONV = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello!", "reasoning": "greet back"},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4.", "reasoning": "add them"},
+]
 
 
-@pytest.mark.parametrize("make,encoding", [(gpt_oss_tokenizer, "o200k_harmony"), (qwen3_tokenizer, "qwen3"),
-                                           (llama3_tokenizer, "llama3")])
+@pytest.mark.parametrize(
+    "make,encoding",
+    [(gpt_oss_tokenizer, "o200k_harmony"), (qwen3_tokenizer, "qwen3"), (llama3_tokenizer, "llama3")],
+)
 def test_built_tokenizers_equal_the_reference_encoders(make, encoding):
     import quicktok
 
@@ -26,7 +36,9 @@ def test_built_tokenizers_equal_the_reference_encoders(make, encoding):
     tok, ref = make(), quicktok.get_encoding(encoding)
     convs, _ = read_conversations(["sharegpt"], max_samples=60)
     texts = TEXTS + [m["content"] for c in convs for m in c][:150]
-    assert [tok(t, add_special_tokens=False)["input_ids"] for t in texts] == [ref.encode_ordinary(t) for t in texts]
+    assert [tok(t, add_special_tokens=False)["input_ids"] for t in texts] == [
+        ref.encode_ordinary(t) for t in texts
+    ]
     assert len(tok) == ref.n_vocab
     assert tok.decode(tok("<|im_end|>" if "qwen" in encoding else "x")["input_ids"]) in ("<|im_end|>", "x")
 
@@ -49,8 +61,10 @@ def test_gpt_oss_real_template_masks_both_channels_of_the_last_reply():
     # earlier turns: the template drops their analysis, so only the final channel is there
     assert "greet back" not in r.text and first == "<|channel|>final<|message|>Hello!<|end|>"
     # the last reply: analysis and final channel, as the target generates them, up to <|return|>
-    assert last == ("<|channel|>analysis<|message|>add them<|end|><|start|>assistant"
-                    "<|channel|>final<|message|>4.<|return|>")
+    assert last == (
+        "<|channel|>analysis<|message|>add them<|end|><|start|>assistant"
+        "<|channel|>final<|message|>4.<|return|>"
+    )
     assert "Be brief." in r.text and "Reasoning: medium" in r.text  # system -> developer instructions
     assert [s for s in _masked(tok, render_with_mask(tok, CONV, "last"))] == [last]
 
@@ -69,7 +83,9 @@ def test_qwen3_coder_real_template_has_no_reasoning():
     assert _masked(tok, r) == ["Hello!<|im_end|>", "4.<|im_end|>"] and "add them" not in r.text
 
 
-@pytest.mark.parametrize("make", [gpt_oss_tokenizer, qwen3_tokenizer, qwen3_coder_tokenizer, llama3_tokenizer])
+@pytest.mark.parametrize(
+    "make", [gpt_oss_tokenizer, qwen3_tokenizer, qwen3_coder_tokenizer, llama3_tokenizer]
+)
 def test_a_reply_cut_at_max_new_tokens_ends_where_the_target_stopped(make):
     """A regenerated reply cut at max_new_tokens (`finish_reason: length`): the sample ends
     at its last content token, with no end-of-turn token the target never produced, and the
@@ -80,5 +96,5 @@ def test_a_reply_cut_at_max_new_tokens_ends_where_the_target_stopped(make):
     r = render_with_mask(tok, CONV[:-1] + [cut], "last")
     (last,) = _masked(tok, r)
     assert last.endswith("4, because two and") and r.loss_mask[-1] == 1
-    assert r.input_ids == whole.input_ids[:len(r.input_ids)] and len(r.input_ids) < len(whole.input_ids)
+    assert r.input_ids == whole.input_ids[: len(r.input_ids)] and len(r.input_ids) < len(whole.input_ids)
     assert "finish_reason" not in r.text

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from fake_openai_server import FakeChatServer
 
 from eyas.cli import main
 from eyas.recipe import load_recipe
-from fake_openai_server import FakeChatServer
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
@@ -29,11 +29,21 @@ def _family(target: str):
     if "gpt-oss" in name:
         from real_formats import gpt_oss_tokenizer
 
-        return "gpt_oss", gpt_oss_tokenizer, ("<|return|>", "<|call|>"), "real o200k_harmony + GPT-OSS template"
+        return (
+            "gpt_oss",
+            gpt_oss_tokenizer,
+            ("<|return|>", "<|call|>"),
+            "real o200k_harmony + GPT-OSS template",
+        )
     if "qwen3-coder" in name:
         from real_formats import qwen3_coder_tokenizer
 
-        return "qwen3_moe", qwen3_coder_tokenizer, ("<|im_end|>",), "real Qwen3 tokenizer + Qwen3-Coder template"
+        return (
+            "qwen3_moe",
+            qwen3_coder_tokenizer,
+            ("<|im_end|>",),
+            "real Qwen3 tokenizer + Qwen3-Coder template",
+        )
     if "llama-3" in name:
         from real_formats import llama3_tokenizer
 
@@ -43,21 +53,34 @@ def _family(target: str):
 
         from eyas.data.targets import resolve_target_path
 
-        return ("llama", lambda: AutoTokenizer.from_pretrained(resolve_target_path("smollm2-135m")),
-                ("<|im_end|>",), "real SmolLM2 tokenizer")
+        return (
+            "llama",
+            lambda: AutoTokenizer.from_pretrained(resolve_target_path("smollm2-135m")),
+            ("<|im_end|>",),
+            "real SmolLM2 tokenizer",
+        )
     raise AssertionError(f"no tiny stand-in for target {target!r}: add one here before shipping the recipe")
 
 
 def _corpus(path: Path, n: int = 8) -> Path:
-    rows = [{"conversations": [{"from": "human", "value": f"Write a short note about topic {k}."},
-                               {"from": "gpt", "value": "A note."},
-                               {"from": "human", "value": "Shorter, please."},
-                               {"from": "gpt", "value": "Note."}]} for k in range(n)]
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"Write a short note about topic {k}."},
+                {"from": "gpt", "value": "A note."},
+                {"from": "human", "value": "Shorter, please."},
+                {"from": "gpt", "value": "Note."},
+            ]
+        }
+        for k in range(n)
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
 
 
-def _tiny_recipe_data(recipe_name: str, tmp_path: Path, n: int = 6, extra: tuple = ()) -> tuple[Path, list[str]]:
+def _tiny_recipe_data(
+    recipe_name: str, tmp_path: Path, n: int = 6, extra: tuple = ()
+) -> tuple[Path, list[str]]:
     """prepare and capture of a recipe on its tiny stand-in (server regeneration against
     the fake engine where the recipe uses the server backend); returns the recipe path and
     the overrides every later stage takes."""
@@ -69,10 +92,23 @@ def _tiny_recipe_data(recipe_name: str, tmp_path: Path, n: int = 6, extra: tuple
     tokenizer = make_tokenizer()
     target_dir = save_tiny_target(arch, tmp_path / "target", tokenizer=tokenizer, stop_tokens=stops)
     run = tmp_path / "run"
-    overrides = [f"run_dir={run}", f"target.name_or_path={target_dir}", f"data.sources=[{_corpus(tmp_path / 'c.jsonl', n)}]",
-                 f"data.max_samples={n}", "data.eval_fraction=0.2", "data.regenerate.max_new_tokens=12",
-                 "data.max_length=1024", "data.aux_layer_ids=null", "train.max_steps=3", "train.warmup_steps=1",
-                 "train.eval_every=3", "train.save_every=3", "eval.max_prompts=2", "eval.max_new_tokens=8", *extra]
+    overrides = [
+        f"run_dir={run}",
+        f"target.name_or_path={target_dir}",
+        f"data.sources=[{_corpus(tmp_path / 'c.jsonl', n)}]",
+        f"data.max_samples={n}",
+        "data.eval_fraction=0.2",
+        "data.regenerate.max_new_tokens=12",
+        "data.max_length=1024",
+        "data.aux_layer_ids=null",
+        "train.max_steps=3",
+        "train.warmup_steps=1",
+        "train.eval_every=3",
+        "train.save_every=3",
+        "eval.max_prompts=2",
+        "eval.max_new_tokens=8",
+        *extra,
+    ]
     rg = recipe.data.regenerate
     server = None
     if rg.enabled and rg.backend == "server":
@@ -100,7 +136,10 @@ def _export_check_eval(recipe_path: Path, overrides: list[str], run: Path) -> No
     assert main(["export", "--check", str(export)]) == 0
     config = json.loads((export / "config.json").read_text())
     assert config["speculators_model_type"] == recipe.head.algorithm
-    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == recipe.head.speculative_tokens
+    assert (
+        config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+        == recipe.head.speculative_tokens
+    )
     assert main(["eval", "-r", str(recipe_path), *overrides, "--json"]) == 0
 
 
@@ -138,10 +177,29 @@ def test_gpu_recipe_trains_under_its_accelerate_config_on_two_cpu_processes(conf
         pytest.importorskip("deepspeed")
     # enough samples and small enough batches that each of the 2 processes gets its own
     recipe_path, overrides = _tiny_recipe_data(recipe_name, tmp_path, n=24, extra=("train.batch_tokens=128",))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / config),
-           "--num_processes", "2", "-m", "eyas.train", "-r", str(recipe_path), "--no-progress", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True,
-                          text=True, timeout=900)
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / config),
+        "--num_processes",
+        "2",
+        "-m",
+        "eyas.train",
+        "-r",
+        str(recipe_path),
+        "--no-progress",
+        *overrides,
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "training on 2 process(es)" in out

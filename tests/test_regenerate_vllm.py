@@ -19,8 +19,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from vllm_runner import local_serve_command  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm,
-              pytest.mark.skipif(not VLLM_PY.is_file(), reason=".venv-vllm does not exist (scripts/setup_vllm_env.sh)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(not VLLM_PY.is_file(), reason=".venv-vllm does not exist (scripts/setup_vllm_env.sh)"),
+]
 
 
 def _free_port() -> int:
@@ -41,16 +44,32 @@ def test_prepare_through_vllm_serve_stores_vllm_greedy_replies(tmp_path):
     port = _free_port()
     launch = local_serve_command(model_dir, port)
     run = tmp_path / "run"
-    overrides = [f"run_dir={run}", "target.dtype=float32", f"data.max_samples={N_CONVERSATIONS}",
-                 "data.max_turns=1", "data.max_length=512", "data.eval_fraction=0.1",
-                 f"data.regenerate.max_new_tokens={MAX_NEW_TOKENS}", "data.regenerate.backend=server",
-                 f"data.regenerate.launch='{launch}'", f"data.regenerate.server_urls=[http://127.0.0.1:{port}]",
-                 "data.regenerate.concurrency=16", "data.regenerate.keep_states=false", "data.features=online"]
-    assert main(["prepare", "--no-progress", "-r", str(ROOT / "recipes" / "smollm2-135m-eagle3.yaml"),
-                 *overrides]) == 0
+    overrides = [
+        f"run_dir={run}",
+        "target.dtype=float32",
+        f"data.max_samples={N_CONVERSATIONS}",
+        "data.max_turns=1",
+        "data.max_length=512",
+        "data.eval_fraction=0.1",
+        f"data.regenerate.max_new_tokens={MAX_NEW_TOKENS}",
+        "data.regenerate.backend=server",
+        f"data.regenerate.launch='{launch}'",
+        f"data.regenerate.server_urls=[http://127.0.0.1:{port}]",
+        "data.regenerate.concurrency=16",
+        "data.regenerate.keep_states=false",
+        "data.features=online",
+    ]
+    assert (
+        main(
+            ["prepare", "--no-progress", "-r", str(ROOT / "recipes" / "smollm2-135m-eagle3.yaml"), *overrides]
+        )
+        == 0
+    )
     prepared = run / "prepared"
-    assert "Uvicorn running" in (prepared / "engine.log").read_text() or "Application startup" in (
-        prepared / "engine.log").read_text(), "the engine log does not show vllm serve starting"
+    assert (
+        "Uvicorn running" in (prepared / "engine.log").read_text()
+        or "Application startup" in (prepared / "engine.log").read_text()
+    ), "the engine log does not show vllm serve starting"
     records = [json.loads(line) for line in (prepared / "regenerated.jsonl").read_text().splitlines()]
     assert len(records) == N_CONVERSATIONS
     replied = [r for r in records if r["messages"]]
@@ -77,10 +96,22 @@ def test_prepare_through_vllm_serve_stores_vllm_greedy_replies(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [prompt_ids(tokenizer, before_first_reply(r["messages"])) for r in replied]
     job, out = tmp_path / "job.json", tmp_path / "out.json"
-    job.write_text(json.dumps({"mode": "generate", "model": model_dir, "dtype": "float32", "max_model_len": 1024,
-                               "prompts": prompts, "max_tokens": MAX_NEW_TOKENS, "ignore_eos": False}))
-    proc = subprocess.run([str(VLLM_PY), str(RUNNER), str(job), str(out)], capture_output=True, text=True,
-                          timeout=1200)
+    job.write_text(
+        json.dumps(
+            {
+                "mode": "generate",
+                "model": model_dir,
+                "dtype": "float32",
+                "max_model_len": 1024,
+                "prompts": prompts,
+                "max_tokens": MAX_NEW_TOKENS,
+                "ignore_eos": False,
+            }
+        )
+    )
+    proc = subprocess.run(
+        [str(VLLM_PY), str(RUNNER), str(job), str(out)], capture_output=True, text=True, timeout=1200
+    )
     result = json.loads(out.read_text()) if out.is_file() else {"ok": False, "error": proc.stderr[-3000:]}
     assert result["ok"], result.get("error")
     want = [tokenizer.decode(ids, skip_special_tokens=True) for ids in result["outputs"]]

@@ -10,7 +10,10 @@ def test_tiny_target_loads_frozen_and_exposes_hidden_states(tiny_target_dir):
     assert not target.model.training
     assert all(not p.requires_grad for p in target.model.parameters())
     ids = target.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hello"}], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        [{"role": "user", "content": "hello"}],
+        add_generation_prompt=True,
+        return_dict=True,
+        return_tensors="pt",
     )["input_ids"]
     out = target.model(ids, output_hidden_states=True)
     assert len(out.hidden_states) == target.num_layers + 1
@@ -22,9 +25,8 @@ def test_tiny_target_loads_frozen_and_exposes_hidden_states(tiny_target_dir):
 def test_attention_is_one_the_architecture_accepts(family):
     """GPT-OSS's class refuses SDPA on every device (a GPU included): eager there, SDPA for
     the others; the model builds with the choice, and an explicit request wins."""
-    from transformers import AutoModelForCausalLM
-
     from tiny_targets import tiny_config
+    from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(family)
     chosen = attention_implementation(cfg)
@@ -100,7 +102,9 @@ def test_smollm2_alias_answers_paris():
     tok = target.tokenizer
     ids = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, return_dict=True, return_tensors="pt",
+        add_generation_prompt=True,
+        return_dict=True,
+        return_tensors="pt",
     )["input_ids"]
     out = target.model.generate(ids, max_new_tokens=24, do_sample=False)
-    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+    assert "Paris" in tok.decode(out[0, ids.shape[1] :])

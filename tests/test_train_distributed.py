@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from train_run_fixtures import prepare_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,8 +16,17 @@ ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, tiny_llama_dir):
-    return prepare_run(tmp_path_factory.mktemp("dist"), tiny_llama_dir, "online", n=48,
-                       max_steps=4, save_every=2, eval_every=2, batch_tokens=256, max_batch_size=4)
+    return prepare_run(
+        tmp_path_factory.mktemp("dist"),
+        tiny_llama_dir,
+        "online",
+        n=48,
+        max_steps=4,
+        save_every=2,
+        eval_every=2,
+        batch_tokens=256,
+        max_batch_size=4,
+    )
 
 
 def _run(prepared, tmp_path, launcher_args, env=None):
@@ -29,8 +37,9 @@ def _run(prepared, tmp_path, launcher_args, env=None):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(tree))
     cmd = [*ACCELERATE, *launcher_args, "-m", "eyas.train", "--recipe", str(recipe), "--no-progress"]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=900
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     return tmp_path / "run", out
@@ -47,16 +56,23 @@ def _check(run_dir, out, kind):
 
 @pytest.mark.slow
 def test_ddp_two_cpu_processes(prepared, tmp_path):
-    run_dir, out = _run(prepared, tmp_path, ["--config_file", str(REPO / "recipes/accelerate/ddp.yaml"),
-                                             "--num_processes", "2"])
+    run_dir, out = _run(
+        prepared,
+        tmp_path,
+        ["--config_file", str(REPO / "recipes/accelerate/ddp.yaml"), "--num_processes", "2"],
+    )
     _check(run_dir, out, "MULTI_CPU")
 
 
 @pytest.mark.slow
 def test_deepspeed_zero2_two_cpu_processes(prepared, tmp_path):
     pytest.importorskip("deepspeed")
-    run_dir, out = _run(prepared, tmp_path, ["--config_file", str(REPO / "recipes/accelerate/deepspeed_zero2.yaml"),
-                                             "--num_processes", "2"], env={"DS_ACCELERATOR": "cpu"})
+    run_dir, out = _run(
+        prepared,
+        tmp_path,
+        ["--config_file", str(REPO / "recipes/accelerate/deepspeed_zero2.yaml"), "--num_processes", "2"],
+        env={"DS_ACCELERATOR": "cpu"},
+    )
     _check(run_dir, out, "DEEPSPEED")
     assert (run_dir / "checkpoints" / "step-00000004" / "accelerate").is_dir()
     # nothing eyas hands accelerate is pickled: the scheduler state lives in state.json
@@ -66,10 +82,28 @@ def test_deepspeed_zero2_two_cpu_processes(prepared, tmp_path):
 
     for name in ("final", "step-00000004"):
         shutil.rmtree(run_dir / "checkpoints" / name)
-    cmd = [*ACCELERATE, "--config_file", str(REPO / "recipes/accelerate/deepspeed_zero2.yaml"), "--num_processes", "2",
-           "-m", "eyas.train", "--recipe", str(tmp_path / "r.yaml"), "--no-progress"]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
-                          timeout=900)
+    cmd = [
+        *ACCELERATE,
+        "--config_file",
+        str(REPO / "recipes/accelerate/deepspeed_zero2.yaml"),
+        "--num_processes",
+        "2",
+        "-m",
+        "eyas.train",
+        "--recipe",
+        str(tmp_path / "r.yaml"),
+        "--no-progress",
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "step-00000002 (step 2)" in out and (run_dir / "checkpoints" / "final" / "head.safetensors").is_file()
+    assert (
+        "step-00000002 (step 2)" in out and (run_dir / "checkpoints" / "final" / "head.safetensors").is_file()
+    )

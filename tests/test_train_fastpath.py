@@ -16,9 +16,19 @@ from eyas.train.ttt import ttt_loss
 def _setup(opts, vd):
     torch.manual_seed(0)
     vt, ht = 50, 24
-    cfg = DraftHeadConfig(hidden_size=32, target_hidden_size=ht, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=8, intermediate_size=64, vocab_size=vt, draft_vocab_size=vd, aux_layer_ids=[1, 2, 3],
-                          target_num_layers=4, **opts)
+    cfg = DraftHeadConfig(
+        hidden_size=32,
+        target_hidden_size=ht,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=vt,
+        draft_vocab_size=vd,
+        aux_layer_ids=[1, 2, 3],
+        target_num_layers=4,
+        **opts,
+    )
     head = Eagle3Head(cfg).double()
     if vd < vt:
         vmap = build_vocab_map(torch.rand(vt), vd)
@@ -29,8 +39,13 @@ def _setup(opts, vd):
     am[1, 6:] = 0
     am[2, 2:] = 0
     lm = (torch.rand(b, t) > 0.3).long() * am
-    batch = {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "aux": torch.randn(b, t, 3 * ht, dtype=torch.double),
-             "last": torch.randn(b, t, ht, dtype=torch.double)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": am,
+        "loss_mask": lm,
+        "aux": torch.randn(b, t, 3 * ht, dtype=torch.double),
+        "last": torch.randn(b, t, ht, dtype=torch.double),
+    }
     norm = RMSNorm(ht).double()
     w = torch.randn(vt, ht, dtype=torch.double)
     t2d = head.t2d if cfg.uses_vocab_map else None
@@ -39,8 +54,11 @@ def _setup(opts, vd):
 
 
 @pytest.mark.parametrize("vd", [50, 20])
-@pytest.mark.parametrize("opts", [dict(), dict(norm_output=True, fc_norm=True), dict(num_hidden_layers=2)],
-                         ids=["plain", "norm_output", "two_layers"])
+@pytest.mark.parametrize(
+    "opts",
+    [dict(), dict(norm_output=True, fc_norm=True), dict(num_hidden_layers=2)],
+    ids=["plain", "norm_output", "two_layers"],
+)
 def test_fast_path_equals_reference(opts, vd):
     head, batch, args = _setup(opts, vd)
     ref_labels = target_labels(*args)
@@ -91,6 +109,7 @@ def test_a_failed_loss_compile_falls_back_to_the_same_math_with_one_warning(monk
     def broken():
         def fail(*args):
             raise RuntimeError("no C++ compiler")
+
         return fail, fail
 
     monkeypatch.setattr(losses, "_compiled_soft_ce", broken)
@@ -111,7 +130,9 @@ def test_a_failed_loss_compile_falls_back_to_the_same_math_with_one_warning(monk
         torch.testing.assert_close(got[0], ce.detach())
         assert torch.equal(got[1], top)
         torch.testing.assert_close(got[2], eager.grad)
-    warnings = [r for r in caplog.records if "torch.compile of the soft cross-entropy failed" in r.getMessage()]
+    warnings = [
+        r for r in caplog.records if "torch.compile of the soft cross-entropy failed" in r.getMessage()
+    ]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0].getMessage()
 
 
@@ -145,14 +166,20 @@ def test_draft_first_labels_validity_and_ties():
     index of that token."""
     from torch import nn
 
-    vt, ht = 6, 6
+    vt = 6
     weight = torch.eye(vt)  # logit of token v = the hidden state's v-th entry
     draft_ids = torch.tensor([1, 3, 4])  # draft index 0, 1, 2
-    last = torch.tensor([[[0.0, 0, 0, 0, 0, 0],
-                          [0, 0, 0, 5, 0, 0],   # top: token 3 (draft index 1)
-                          [0, 0, 0, 2, 0, 7],   # top: token 5, outside the draft vocabulary
-                          [0, 0, 0, 0, 4, 4],   # tie of token 4 (draft) and 5 (outside)
-                          [0, 0, 0, 0, 0, 0]]])
+    last = torch.tensor(
+        [
+            [
+                [0.0, 0, 0, 0, 0, 0],
+                [0, 0, 0, 5, 0, 0],  # top: token 3 (draft index 1)
+                [0, 0, 0, 2, 0, 7],  # top: token 5, outside the draft vocabulary
+                [0, 0, 0, 0, 4, 4],  # tie of token 4 (draft) and 5 (outside)
+                [0, 0, 0, 0, 0, 0],
+            ]
+        ]
+    )
     mask = torch.ones(1, 5, dtype=torch.long)
     labels = valid_row_labels(last, nn.Identity(), draft_first_lm_head(weight, draft_ids), mask, mask)
     # slot s is labelled from the state at s (token s+1 real and in the loss mask); the last slot has none
@@ -169,8 +196,15 @@ def test_padding_a_batch_to_a_multiple_changes_neither_loss_nor_gradients():
     head, batch, args = _setup({}, 20)
     last, norm, w, draft_ids, _, lm, am = args
     lm_head = draft_first_lm_head(w, draft_ids)
-    samples = [{"input_ids": batch["input_ids"][r, :n], "loss_mask": lm[r, :n], "aux": batch["aux"][r, :n],
-                "last": last[r, :n]} for r, n in enumerate(am.sum(1).tolist())]
+    samples = [
+        {
+            "input_ids": batch["input_ids"][r, :n],
+            "loss_mask": lm[r, :n],
+            "aux": batch["aux"][r, :n],
+            "last": last[r, :n],
+        }
+        for r, n in enumerate(am.sum(1).tolist())
+    ]
     results = []
     for multiple in (1, 16):
         b = collate(samples, pad_to_multiple_of=multiple)
@@ -196,9 +230,10 @@ def test_known_validity_multiplies_only_the_draft_rows_and_gives_the_same_labels
     label_slots = int((lm[:, 1:].bool() & am[:, 1:].bool()).sum())
     assert 0 < int(first.valid.sum()) < label_slots  # some targets' argmax lies outside the draft vocabulary
     poisoned = lm_head.weight.clone()
-    poisoned[lm_head.draft_size:] = float("nan")
-    again = valid_row_labels(last, norm, type(lm_head)(poisoned, lm_head.draft_size), lm, am,
-                             known_valid=first.valid)
+    poisoned[lm_head.draft_size :] = float("nan")
+    again = valid_row_labels(
+        last, norm, type(lm_head)(poisoned, lm_head.draft_size), lm, am, known_valid=first.valid
+    )
     assert torch.equal(again.valid, first.valid) and torch.equal(again.argmax, first.argmax)
     torch.testing.assert_close(again.logits, first.logits)
 
@@ -216,7 +251,7 @@ def test_feature_source_remembers_validity_per_split_and_sample():
     first_batch = dict(batch, index=torch.tensor([7, 3, 5]))
     _, first = features.complete(dict(first_batch))
     assert sorted(features._valid) == [("train", 3), ("train", 5), ("train", 7)]
-    features.lm_head.weight[features.lm_head.draft_size:] = float("nan")  # now only a remembered split works
+    features.lm_head.weight[features.lm_head.draft_size :] = float("nan")  # now only a remembered split works
     order = torch.tensor([2, 0, 1])
     second_batch = {k: v[order] for k, v in first_batch.items()}
     _, second = features.complete(second_batch)

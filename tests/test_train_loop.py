@@ -13,7 +13,6 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-
 from train_run_fixtures import prepare_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,8 +39,18 @@ def _link_prepared(src_recipe, dst_recipe):
 
 def test_overfits_one_batch(tmp_path, tiny_llama_dir):
     """One short conversation, the full target vocabulary: step-0 accuracy goes past 0.9."""
-    recipe = prepare_run(tmp_path, tiny_llama_dir, "online", n=2, max_steps=80, learning_rate=3e-3,
-                         warmup_steps=5, eval_every=0, save_every=0, log_every=1)
+    recipe = prepare_run(
+        tmp_path,
+        tiny_llama_dir,
+        "online",
+        n=2,
+        max_steps=80,
+        learning_rate=3e-3,
+        warmup_steps=5,
+        eval_every=0,
+        save_every=0,
+        log_every=1,
+    )
     tree = recipe.model_dump(mode="json")
     tree["head"]["draft_vocab_size"] = 320
     tree["data"]["eval_fraction"] = 0.5  # one train row, one eval row
@@ -58,7 +67,9 @@ def test_overfits_one_batch(tmp_path, tiny_llama_dir):
 
 
 def test_offline_run_writes_final_head_and_metrics(tmp_path, tiny_llama_dir):
-    recipe = prepare_run(tmp_path, tiny_llama_dir, "offline", n=24, max_steps=6, save_every=2, keep_checkpoints=2)
+    recipe = prepare_run(
+        tmp_path, tiny_llama_dir, "offline", n=24, max_steps=6, save_every=2, keep_checkpoints=2
+    )
     from eyas.heads.io import load_head
     from eyas.train.loop import train
 
@@ -99,9 +110,14 @@ def test_repeated_nonfinite_losses_stop_with_checkpoint(online_run, tmp_path, mo
 
 
 def _launch(recipe_path: Path, extra=(), env=None):
-    return subprocess.Popen([sys.executable, "-m", "eyas.train", "--recipe", str(recipe_path), "--no-progress", *extra],
-                            cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "eyas.train", "--recipe", str(recipe_path), "--no-progress", *extra],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @pytest.mark.slow
@@ -125,7 +141,9 @@ def test_sigkill_then_resume_matches_uninterrupted_run(online_run, tmp_path):
     proc = _launch(path)
     deadline = time.time() + 300
     while not (r.paths.checkpoints / "step-00000006").is_dir():
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else ""
+        assert proc.poll() is None and time.time() < deadline, (
+            proc.stdout.read() if proc.poll() is not None else ""
+        )
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -140,13 +158,16 @@ def test_sigkill_then_resume_matches_uninterrupted_run(online_run, tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    ckpt_a = load_file(str(recipes["straight"][0].paths.checkpoints / f"step-{total:08d}" / "model.safetensors"))
+    ckpt_a = load_file(
+        str(recipes["straight"][0].paths.checkpoints / f"step-{total:08d}" / "model.safetensors")
+    )
     assert all(torch.equal(ckpt_a[k], a[k]) for k in a)
 
 
 def test_frozen_lm_head_keeps_the_targets_rows(tmp_path, tiny_llama_dir):
-    recipe = prepare_run(tmp_path, tiny_llama_dir, "online", n=12, max_steps=3, save_every=0, eval_every=0,
-                         freeze_lm_head=True)
+    recipe = prepare_run(
+        tmp_path, tiny_llama_dir, "online", n=12, max_steps=3, save_every=0, eval_every=0, freeze_lm_head=True
+    )
     from eyas.data.targets import load_target, target_norm_and_lm_head
     from eyas.heads.io import load_head
     from eyas.train.loop import train
@@ -157,7 +178,9 @@ def test_frozen_lm_head_keeps_the_targets_rows(tmp_path, tiny_llama_dir):
     _, lm_head = target_norm_and_lm_head(target.model)
     assert torch.equal(head.lm_head.weight, lm_head.weight[head.draft_token_ids()])
     # without the flag the same run moves those rows
-    free = prepare_run(tmp_path / "free", tiny_llama_dir, "online", n=12, max_steps=3, save_every=0, eval_every=0)
+    free = prepare_run(
+        tmp_path / "free", tiny_llama_dir, "online", n=12, max_steps=3, save_every=0, eval_every=0
+    )
     train(free, progress=False)
     moved = load_head(free.paths.checkpoints / "final", target.model.get_input_embeddings().weight)
     assert not torch.equal(moved.lm_head.weight, lm_head.weight[moved.draft_token_ids()])

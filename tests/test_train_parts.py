@@ -26,8 +26,17 @@ def _stream(position=None, rank=0, world=1):
     lengths = [3 + (7 * i) % 29 for i in range(40)]
     source = [{"input_ids": list(range(n)), "loss_mask": [1] * n} for n in lengths]
     groups = [list(range(0, 20)), list(range(20, 40))]
-    return BatchStream(source, lengths, groups, batch_tokens=64, max_batch_size=4, seed=3, rank=rank, world=world,
-                       position=position)
+    return BatchStream(
+        source,
+        lengths,
+        groups,
+        batch_tokens=64,
+        max_batch_size=4,
+        seed=3,
+        rank=rank,
+        world=world,
+        position=position,
+    )
 
 
 def test_stream_batches_name_their_samples():
@@ -56,7 +65,7 @@ def test_stream_resumes_from_position_across_epochs():
     seen = [next(full)["input_ids"] for _ in range(n + 5)]
     resumed = _stream(DataPosition(epoch=0, batches=n - 2))
     rest = [next(resumed)["input_ids"] for _ in range(7)]
-    for x, y in zip(seen[n - 2:], rest):
+    for x, y in zip(seen[n - 2 :], rest):
         assert torch.equal(x, y)
     assert resumed.position.epoch == 1
 
@@ -66,14 +75,21 @@ def test_ranks_take_disjoint_batches():
     assert r0.batches_per_epoch() % 2 == 0
     a = [next(r0) for _ in range(3)]
     b = [next(r1) for _ in range(3)]
-    assert all(not torch.equal(x["input_ids"], y["input_ids"]) or x["input_ids"].shape != y["input_ids"].shape
-               for x, y in zip(a, b))
+    assert all(
+        not torch.equal(x["input_ids"], y["input_ids"]) or x["input_ids"].shape != y["input_ids"].shape
+        for x, y in zip(a, b)
+    )
     assert r0.position == r1.position == DataPosition(0, 6)
 
 
 def test_collate_pads_right():
-    out = collate([{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "aux": torch.ones(3, 4)},
-                   {"input_ids": [4], "loss_mask": [1], "aux": torch.ones(1, 4)}], pad_id=9)
+    out = collate(
+        [
+            {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "aux": torch.ones(3, 4)},
+            {"input_ids": [4], "loss_mask": [1], "aux": torch.ones(1, 4)},
+        ],
+        pad_id=9,
+    )
     assert out["input_ids"].tolist() == [[1, 2, 3], [4, 9, 9]]
     assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert out["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
@@ -97,8 +113,16 @@ def test_meter_accept_length_from_per_step_accuracy():
 
 def test_meter_reports_named_loss_terms_as_batch_means():
     m = AccuracyMeter()
-    m.add(StepStats(loss=torch.tensor(5.0), hits=[1], counts=[2], tokens=4, extra_losses={"copy_attention_loss": 1.0}))
-    m.add(StepStats(loss=torch.tensor(7.0), hits=[1], counts=[2], tokens=4, extra_losses={"copy_attention_loss": 3.0}))
+    m.add(
+        StepStats(
+            loss=torch.tensor(5.0), hits=[1], counts=[2], tokens=4, extra_losses={"copy_attention_loss": 1.0}
+        )
+    )
+    m.add(
+        StepStats(
+            loss=torch.tensor(7.0), hits=[1], counts=[2], tokens=4, extra_losses={"copy_attention_loss": 3.0}
+        )
+    )
     s = m.summary("train/")
     assert s["train/copy_attention_loss"] == 2.0 and s["train/loss"] == 6.0
     m.reset()
@@ -133,7 +157,9 @@ def test_a_draft_vocabulary_above_the_targets_is_named_not_silently_clamped(tiny
     assert config.draft_vocab_size == vocab and not config.uses_vocab_map
     assert f"head.draft_vocab_size {vocab + 1000} is above the target's vocabulary ({vocab})" in caplog.text
     caplog.clear()
-    assert head_config_for(recipe_from_dict({"head": {"draft_vocab_size": vocab // 2}}), target_config).uses_vocab_map
+    assert head_config_for(
+        recipe_from_dict({"head": {"draft_vocab_size": vocab // 2}}), target_config
+    ).uses_vocab_map
     assert "above the target's vocabulary" not in caplog.text
 
 
@@ -166,8 +192,9 @@ def test_engine_checkpoints_load_without_unpickling(tmp_path):
         for name in sorted(os.listdir(path)):
             loaded[name] = torch.load(os.path.join(path, name), map_location="cpu", weights_only=False)
 
-    accelerator = types.SimpleNamespace(distributed_type=types.SimpleNamespace(name="DEEPSPEED"),
-                                        load_state=load_state, process_index=0)
+    accelerator = types.SimpleNamespace(
+        distributed_type=types.SimpleNamespace(name="DEEPSPEED"), load_state=load_state, process_index=0
+    )
     with pytest.raises(UnsafeCheckpointError, match=r"evil\.pt: holds the type posix\.system"):
         load_checkpoint(ckpt, accelerator, None, None)
     assert not marker.exists()

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 import yaml
+from train_run_fixtures import prepare_run, write_conversations
 
 from eyas.cli import main
-from train_run_fixtures import prepare_run, write_conversations
 
 
 def _recipe_file(recipe, path):
@@ -73,8 +73,11 @@ def test_restart_trains_anew_under_the_new_recipe(finished, capsys):
     assert "trained 4 steps" in capsys.readouterr().out
     saved = yaml.safe_load((recipe.paths.root / "recipe.yaml").read_text())
     assert saved["train"]["learning_rate"] == 1e-4
-    steps = [json.loads(x)["step"] for x in (recipe.paths.root / "metrics.jsonl").read_text().splitlines()
-             if "train/loss" in x]
+    steps = [
+        json.loads(x)["step"]
+        for x in (recipe.paths.root / "metrics.jsonl").read_text().splitlines()
+        if "train/loss" in x
+    ]
     assert steps == [1, 2, 3, 4]  # the earlier run's metrics are gone, not appended to
     state = json.loads((recipe.paths.checkpoints / "step-00000004" / "state.json").read_text())
     assert state["settings"]["train.learning_rate"] == 1e-4 and state["changes"] == []

@@ -7,14 +7,24 @@ import torch
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.layers import TTTMask
-from eyas.train.masks import causal_padding_mask, ttt_dense_mask, ttt_reference_mask
+from eyas.train.masks import ttt_dense_mask, ttt_reference_mask
 from eyas.train.ttt import shift_left, ttt_unroll
 
 
 def _cfg(**kw):
-    base = dict(hidden_size=32, target_hidden_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                intermediate_size=64, vocab_size=50, draft_vocab_size=50, aux_layer_ids=[1, 2, 3], target_num_layers=4,
-                rms_norm_eps=1e-6)
+    base = dict(
+        hidden_size=32,
+        target_hidden_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=50,
+        draft_vocab_size=50,
+        aux_layer_ids=[1, 2, 3],
+        target_num_layers=4,
+        rms_norm_eps=1e-6,
+    )
     base.update(kw)
     return DraftHeadConfig(**base)
 
@@ -31,8 +41,13 @@ def test_ttt_dense_mask_hides_padding():
     assert not dense[:, 3].any() and not dense[3].any()
 
 
-OPTIONS = [dict(), dict(norm_before_residual=True), dict(fc_norm=True, norm_output=True), dict(norm_before_fc=True),
-           dict(num_hidden_layers=2)]
+OPTIONS = [
+    dict(),
+    dict(norm_before_residual=True),
+    dict(fc_norm=True, norm_output=True),
+    dict(norm_before_fc=True),
+    dict(num_hidden_layers=2),
+]
 
 
 @pytest.mark.parametrize("padding", ["right", "left"])
@@ -74,12 +89,14 @@ def test_train_serve_equality(opts):
     train_logits = [lg for _, lg in ttt_unroll(head, ids, torch.ones(1, t), aux, steps)]
     for slot in range(t - steps):
         cache = head.new_cache()
-        tokens = ids[:, 1:slot + 2]  # step-0 entries for slots 0..slot carry x_{s+1}
-        logits, hid = head.forward_step(tokens, head.combine_aux(aux[:, :slot + 1]), torch.arange(slot + 1)[None], cache)
+        tokens = ids[:, 1 : slot + 2]  # step-0 entries for slots 0..slot carry x_{s+1}
+        logits, hid = head.forward_step(
+            tokens, head.combine_aux(aux[:, : slot + 1]), torch.arange(slot + 1)[None], cache
+        )
         serve = [logits[:, -1]]
         hid = hid[:, -1:]
         for k in range(1, steps):
-            tok = ids[:, slot + 1 + k: slot + 2 + k]
+            tok = ids[:, slot + 1 + k : slot + 2 + k]
             logits, hid = head.forward_step(tok, hid, torch.tensor([[slot + k]]), cache)
             serve.append(logits[:, -1])
         for k in range(steps):
@@ -89,10 +106,14 @@ def test_train_serve_equality(opts):
 def test_draft_leaves_only_step0_entries_in_cache():
     head = Eagle3Head(_cfg(draft_vocab_size=20))
     cache = head.new_cache()
-    ids, logits = head.draft(cache, torch.randint(0, 50, (1, 6)), torch.randn(1, 6, 72), torch.arange(6)[None], k=4)
+    ids, logits = head.draft(
+        cache, torch.randint(0, 50, (1, 6)), torch.randn(1, 6, 72), torch.arange(6)[None], k=4
+    )
     assert ids.shape == (1, 4) and logits.shape == (1, 4, 20)
     assert cache.length == 6
-    ids2, _ = head.draft(cache, torch.randint(0, 50, (1, 2)), torch.randn(1, 2, 72), torch.arange(6, 8)[None], k=3)
+    ids2, _ = head.draft(
+        cache, torch.randint(0, 50, (1, 2)), torch.randn(1, 2, 72), torch.arange(6, 8)[None], k=3
+    )
     assert cache.length == 8 and ids2.shape == (1, 3)
 
 
@@ -115,12 +136,16 @@ def test_blocked_ttt_attention_equals_dense_mask(block, padding):
     q = torch.randn(b, h, t, d, dtype=torch.double, requires_grad=True)
     cache = LayerCache()
     for _ in range(k + 1):
-        cache.append(torch.randn(b, hkv, t, d, dtype=torch.double, requires_grad=True),
-                     torch.randn(b, hkv, t, d, dtype=torch.double, requires_grad=True))
+        cache.append(
+            torch.randn(b, hkv, t, d, dtype=torch.double, requires_grad=True),
+            torch.randn(b, hkv, t, d, dtype=torch.double, requires_grad=True),
+        )
     leaves = [q, *cache.k, *cache.v]
     got = _ttt_attention(q, cache, TTTMask(am, block), 0.3)
     keys, values = torch.cat(cache.k, 2), torch.cat(cache.v, 2)
-    want = F.scaled_dot_product_attention(q, keys, values, attn_mask=ttt_dense_mask(am, k), scale=0.3, enable_gqa=True)
+    want = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=ttt_dense_mask(am, k), scale=0.3, enable_gqa=True
+    )
     real = am.bool()[:, None, :, None].expand_as(got)
     torch.testing.assert_close(got[real], want[real])
     # gradients too, of a loss over the real query slots only (padding queries carry none)

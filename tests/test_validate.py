@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_export_helpers import random_head
 
 from eyas.cli import main
 from eyas.heads.export import export_head
 from eyas.heads.load_export import load_exported_head
 from eyas.heads.validate import ExportValidationError, check_export, validate_export
-from test_export_helpers import random_head
 
 
 def _export(tmp_path, **overrides):
@@ -36,6 +36,7 @@ def _drop(name):
 def _set(name, value):
     def edit(t):
         t[name] = value(t) if callable(value) else value
+
     return edit
 
 
@@ -44,60 +45,172 @@ PEAGLE = dict(algorithm="peagle", draft_vocab_size=100, mask_token_id=3, num_hid
 
 # (head options, config edit or None, tensor edit or None, words the message must contain)
 BROKEN = {
-    "missing q_proj": (EAGLE, None, _drop("layers.0.self_attn.q_proj.weight"),
-                       ["missing tensor layers.0.self_attn.q_proj.weight"]),
+    "missing q_proj": (
+        EAGLE,
+        None,
+        _drop("layers.0.self_attn.q_proj.weight"),
+        ["missing tensor layers.0.self_attn.q_proj.weight"],
+    ),
     "missing lm_head": (EAGLE, None, _drop("lm_head.weight"), ["missing tensor lm_head.weight"]),
-    "wrong fc width": (EAGLE, None, _set("fc.weight", torch.zeros(64, 128, dtype=torch.bfloat16)),
-                       ["fc.weight has shape [64, 128]", "n·Ht = 3·64"]),
-    "d2t with equal vocabularies": ({}, None, _set("d2t", torch.zeros(320, dtype=torch.int64)),
-                                    ["unexpected tensor d2t", "equals the target"]),
+    "wrong fc width": (
+        EAGLE,
+        None,
+        _set("fc.weight", torch.zeros(64, 128, dtype=torch.bfloat16)),
+        ["fc.weight has shape [64, 128]", "n·Ht = 3·64"],
+    ),
+    "d2t with equal vocabularies": (
+        {},
+        None,
+        _set("d2t", torch.zeros(320, dtype=torch.int64)),
+        ["unexpected tensor d2t", "equals the target"],
+    ),
     "P-EAGLE without mask_hidden": (PEAGLE, None, _drop("mask_hidden"), ["missing tensor mask_hidden"]),
-    "P-EAGLE without embedding": (PEAGLE, None, _drop("embed_tokens.weight"), ["missing tensor embed_tokens.weight"]),
-    "unsorted aux ids": (EAGLE, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[4, 1, 6]), None,
-                         ["not strictly ascending"]),
-    "aux id out of range": (EAGLE, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 4, 8]), None,
-                            ["outside the target's 8 layers"]),
-    "mask id outside vocab": (PEAGLE, lambda c: c.update(mask_token_id=320, ptd_token_id=320), None,
-                              ["mask_token_id 320 lies outside the vocabulary"]),
-    "wrong d2t dtype": (EAGLE, None, _set("d2t", lambda t: t["d2t"].to(torch.int32)), ["d2t has dtype torch.int32"]),
-    "wrong weight dtype": (EAGLE, None, _set("norm.weight", lambda t: t["norm.weight"].to(torch.int8)),
-                           ["norm.weight has dtype torch.int8"]),
-    "mixed float dtypes": (EAGLE, None, _set("norm.weight", lambda t: t["norm.weight"].float()), ["mix dtypes"]),
-    "d2t out of target vocab": (EAGLE, None, _set("d2t", lambda t: t["d2t"] + 400), ["outside the target vocabulary"]),
-    "t2d count": (EAGLE, None, _set("t2d", lambda t: torch.ones(320, dtype=torch.bool)),
-                  ["t2d marks 320 target ids, expected draft_vocab_size 100"]),
-    "t2d inconsistent with d2t": (EAGLE, None, _set("t2d", lambda t: t["t2d"].roll(1)), ["t2d disagrees with d2t"]),
-    "lm_head rows != draft_vocab_size": (EAGLE, lambda c: c.update(draft_vocab_size=101), None,
-                                         ["lm_head.weight has shape [100, 64]", "draft_vocab_size 101"]),
-    "model. prefix": (EAGLE, None, lambda t: t.update({"model.norm.weight": t.pop("norm.weight")}),
-                      ["'model.' prefix", "missing tensor norm.weight"]),
-    "extra tensor": (EAGLE, None, _set("rotary_emb.inv_freq", torch.zeros(8, dtype=torch.bfloat16)),
-                     ["unexpected tensor rotary_emb.inv_freq"]),
-    "missing layer": (PEAGLE, lambda c: c["transformer_layer_config"].update(num_hidden_layers=3), None,
-                      ["missing every tensor of layers.2"]),
-    "extra layer": (PEAGLE, lambda c: c["transformer_layer_config"].update(num_hidden_layers=1), None,
-                    ["unexpected tensor layers.1.", "num_hidden_layers = 1"]),
-    "non-finite values": (EAGLE, None, _set("fc.weight", lambda t: t["fc.weight"].index_fill(0, torch.tensor([0]), float("nan"))),
-                          ["fc.weight has 192 non-finite value(s)"]),
+    "P-EAGLE without embedding": (
+        PEAGLE,
+        None,
+        _drop("embed_tokens.weight"),
+        ["missing tensor embed_tokens.weight"],
+    ),
+    "unsorted aux ids": (
+        EAGLE,
+        lambda c: c.update(eagle_aux_hidden_state_layer_ids=[4, 1, 6]),
+        None,
+        ["not strictly ascending"],
+    ),
+    "aux id out of range": (
+        EAGLE,
+        lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 4, 8]),
+        None,
+        ["outside the target's 8 layers"],
+    ),
+    "mask id outside vocab": (
+        PEAGLE,
+        lambda c: c.update(mask_token_id=320, ptd_token_id=320),
+        None,
+        ["mask_token_id 320 lies outside the vocabulary"],
+    ),
+    "wrong d2t dtype": (
+        EAGLE,
+        None,
+        _set("d2t", lambda t: t["d2t"].to(torch.int32)),
+        ["d2t has dtype torch.int32"],
+    ),
+    "wrong weight dtype": (
+        EAGLE,
+        None,
+        _set("norm.weight", lambda t: t["norm.weight"].to(torch.int8)),
+        ["norm.weight has dtype torch.int8"],
+    ),
+    "mixed float dtypes": (
+        EAGLE,
+        None,
+        _set("norm.weight", lambda t: t["norm.weight"].float()),
+        ["mix dtypes"],
+    ),
+    "d2t out of target vocab": (
+        EAGLE,
+        None,
+        _set("d2t", lambda t: t["d2t"] + 400),
+        ["outside the target vocabulary"],
+    ),
+    "t2d count": (
+        EAGLE,
+        None,
+        _set("t2d", lambda t: torch.ones(320, dtype=torch.bool)),
+        ["t2d marks 320 target ids, expected draft_vocab_size 100"],
+    ),
+    "t2d inconsistent with d2t": (
+        EAGLE,
+        None,
+        _set("t2d", lambda t: t["t2d"].roll(1)),
+        ["t2d disagrees with d2t"],
+    ),
+    "lm_head rows != draft_vocab_size": (
+        EAGLE,
+        lambda c: c.update(draft_vocab_size=101),
+        None,
+        ["lm_head.weight has shape [100, 64]", "draft_vocab_size 101"],
+    ),
+    "model. prefix": (
+        EAGLE,
+        None,
+        lambda t: t.update({"model.norm.weight": t.pop("norm.weight")}),
+        ["'model.' prefix", "missing tensor norm.weight"],
+    ),
+    "extra tensor": (
+        EAGLE,
+        None,
+        _set("rotary_emb.inv_freq", torch.zeros(8, dtype=torch.bfloat16)),
+        ["unexpected tensor rotary_emb.inv_freq"],
+    ),
+    "missing layer": (
+        PEAGLE,
+        lambda c: c["transformer_layer_config"].update(num_hidden_layers=3),
+        None,
+        ["missing every tensor of layers.2"],
+    ),
+    "extra layer": (
+        PEAGLE,
+        lambda c: c["transformer_layer_config"].update(num_hidden_layers=1),
+        None,
+        ["unexpected tensor layers.1.", "num_hidden_layers = 1"],
+    ),
+    "non-finite values": (
+        EAGLE,
+        None,
+        _set("fc.weight", lambda t: t["fc.weight"].index_fill(0, torch.tensor([0]), float("nan"))),
+        ["fc.weight has 192 non-finite value(s)"],
+    ),
     "top-level model_type": (EAGLE, lambda c: c.update(model_type="llama"), None, ["top-level model_type"]),
-    "no speculative_tokens": (EAGLE, lambda c: c["speculators_config"]["proposal_methods"][0].pop("speculative_tokens"),
-                              None, ["speculative_tokens"]),
-    "no verifier": (EAGLE, lambda c: c["speculators_config"]["verifier"].pop("name_or_path"), None,
-                    ["verifier.name_or_path is missing"]),
+    "no speculative_tokens": (
+        EAGLE,
+        lambda c: c["speculators_config"]["proposal_methods"][0].pop("speculative_tokens"),
+        None,
+        ["speculative_tokens"],
+    ),
+    "no verifier": (
+        EAGLE,
+        lambda c: c["speculators_config"]["verifier"].pop("name_or_path"),
+        None,
+        ["verifier.name_or_path is missing"],
+    ),
     # vLLM's EAGLE-3 reader defaults it to False (a note); its P-EAGLE reader does not
-    "P-EAGLE without norm_before_residual": (PEAGLE, lambda c: c.pop("norm_before_residual"), None,
-                                             ["norm_before_residual"]),
-    "aux ids absent, target unknown": (EAGLE, lambda c: (c.pop("eagle_aux_hidden_state_layer_ids"),
-                                                         c["eyas"].pop("target_num_layers")), None,
-                                       ["eagle_aux_hidden_state_layer_ids absent", "not at hand"]),
-    "fc_norm and norm_before_fc": (dict(EAGLE, fc_norm=True), lambda c: c.update(norm_before_fc=True), None,
-                                   ["exclude each other", "missing tensor input_norm.weight"]),
+    "P-EAGLE without norm_before_residual": (
+        PEAGLE,
+        lambda c: c.pop("norm_before_residual"),
+        None,
+        ["norm_before_residual"],
+    ),
+    "aux ids absent, target unknown": (
+        EAGLE,
+        lambda c: (c.pop("eagle_aux_hidden_state_layer_ids"), c["eyas"].pop("target_num_layers")),
+        None,
+        ["eagle_aux_hidden_state_layer_ids absent", "not at hand"],
+    ),
+    "fc_norm and norm_before_fc": (
+        dict(EAGLE, fc_norm=True),
+        lambda c: c.update(norm_before_fc=True),
+        None,
+        ["exclude each other", "missing tensor input_norm.weight"],
+    ),
     "two aux ids without num_aux_hidden_states": (
-        dict(aux_layer_ids=[2, 5]), lambda c: c["transformer_layer_config"].pop("num_aux_hidden_states"), None,
-        ["num_aux_hidden_states is missing"]),
-    "ptd_token_id disagrees": (PEAGLE, lambda c: c.update(ptd_token_id=4), None, ["ptd_token_id 4 != mask_token_id 3"]),
-    "vocab_size missing": (EAGLE, lambda c: c["transformer_layer_config"].pop("vocab_size"), None,
-                           ["transformer_layer_config.vocab_size is missing"]),
+        dict(aux_layer_ids=[2, 5]),
+        lambda c: c["transformer_layer_config"].pop("num_aux_hidden_states"),
+        None,
+        ["num_aux_hidden_states is missing"],
+    ),
+    "ptd_token_id disagrees": (
+        PEAGLE,
+        lambda c: c.update(ptd_token_id=4),
+        None,
+        ["ptd_token_id 4 != mask_token_id 3"],
+    ),
+    "vocab_size missing": (
+        EAGLE,
+        lambda c: c["transformer_layer_config"].pop("vocab_size"),
+        None,
+        ["transformer_layer_config.vocab_size is missing"],
+    ),
 }
 
 

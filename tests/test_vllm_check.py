@@ -36,17 +36,20 @@ def _lens_states(model, ids):
 def _lens_drafts(head, states, ids, k):
     n = len(ids) - 1
     aux = torch.zeros(n, 1, head.config.fc_in_features)
-    aux[:, 0, -states.shape[-1]:] = states[:n]
+    aux[:, 0, -states.shape[-1] :] = states[:n]
     got, _ = head.draft(head.new_cache(), torch.tensor(ids[1:])[:, None], aux, torch.arange(n)[:, None], k)
     return got
 
 
-@pytest.mark.parametrize("options", [
-    dict(),
-    dict(fc_norm=True, norm_output=True, norm_before_residual=True),
-    dict(algorithm="peagle", num_hidden_layers=2),
-    dict(algorithm="peagle", num_hidden_layers=2, fc_norm=True, with_vocab=True),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(fc_norm=True, norm_output=True, norm_before_residual=True),
+        dict(algorithm="peagle", num_hidden_layers=2),
+        dict(algorithm="peagle", num_hidden_layers=2, fc_norm=True, with_vocab=True),
+    ],
+)
 def test_lens_head_drafts_what_the_reference_math_says(tiny_model, options):
     options = dict(options)
     with_vocab = options.pop("with_vocab", False)
@@ -62,8 +65,9 @@ def test_lens_head_drafts_what_the_reference_math_says(tiny_model, options):
     head = build_lens_head(tiny_model, speculative_tokens=3, **options, **kw)
     got = _lens_drafts(head, states, ids, 3)
     ref_kw = {k: v for k, v in options.items() if k in ("fc_norm", "norm_output", "norm_before_residual")}
-    want = reference_drafts(tiny_model, states[: len(ids) - 1], 3, algorithm=options.get("algorithm", "eagle3"),
-                            **ref_kw, **kw)
+    want = reference_drafts(
+        tiny_model, states[: len(ids) - 1], 3, algorithm=options.get("algorithm", "eagle3"), **ref_kw, **kw
+    )
     assert torch.equal(got, want)
     if with_vocab:
         assert bool((got % 2 == 0).all())  # only draft-vocabulary ids come out
@@ -81,7 +85,7 @@ def test_lens_head_acceptance_equals_the_replay_oracle(tiny_model):
         assert tr.tokens == plain[:max_new]
         seq = prompt + plain
         states = _lens_states(tiny_model, seq)
-        guesses = reference_drafts(tiny_model, states[len(prompt) - 1: len(seq) - 1], k)
+        guesses = reference_drafts(tiny_model, states[len(prompt) - 1 : len(seq) - 1], k)
         r = replay_oracle(plain, guesses, k, max_new)
         oracle["drafts"] += r["drafts"]
         oracle["per_pos"] = [a + b for a, b in zip(oracle["per_pos"], r["accepted_per_pos"])]
@@ -106,9 +110,25 @@ def test_replay_oracle_counts_accepted_prefixes():
 @pytest.mark.skipif(not HAS_VLLM, reason=".venv-vllm does not exist (scripts/setup_vllm_env.sh)")
 def test_vllm_serves_eyas_heads_with_eyas_acceptance(tmp_path):
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_check.py"), "--quick", "--skip-setup",
-                           "--num-prompts", "4", "--max-tokens", "32", "--work-dir", str(tmp_path / "work"),
-                           "--json-out", str(out)], capture_output=True, text=True, timeout=3000)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "vllm_check.py"),
+            "--quick",
+            "--skip-setup",
+            "--num-prompts",
+            "4",
+            "--max-tokens",
+            "32",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--json-out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
     assert out.is_file(), proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["checks_failed"] == [], report["checks_failed"]

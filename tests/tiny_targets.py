@@ -55,8 +55,11 @@ def tiny_config(family: str, tokenizer=None):
     ids = dict(bos_token_id=0, eos_token_id=2, pad_token_id=3)
     if tokenizer is not None:
         eos = tokenizer.eos_token_id
-        ids = dict(bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos,
-                   eos_token_id=eos, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
+        ids = dict(
+            bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos,
+            eos_token_id=eos,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+        )
     common = dict(
         vocab_size=len(tokenizer) if tokenizer is not None else TINY_VOCAB,
         hidden_size=64,
@@ -73,13 +76,22 @@ def tiny_config(family: str, tokenizer=None):
         return LlamaConfig(intermediate_size=128, **common)
     if family == "qwen3_moe":
         return Qwen3MoeConfig(
-            intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-            decoder_sparse_step=1, mlp_only_layers=[], **common,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            **common,
         )
     if family == "gpt_oss":
         return GptOssConfig(
-            intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
-            layer_types=["sliding_attention", "full_attention"] * (TINY_LAYERS // 2), **common,
+            intermediate_size=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"] * (TINY_LAYERS // 2),
+            **common,
         )
     raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
 
@@ -101,8 +113,9 @@ def build_tiny_model(family: str, seed: int = 0, tokenizer=None):
     return model.eval()
 
 
-def save_tiny_target(family: str, out_dir: Path, seed: int = 0, tokenizer=None,
-                     stop_tokens: tuple[str, ...] = ()) -> Path:
+def save_tiny_target(
+    family: str, out_dir: Path, seed: int = 0, tokenizer=None, stop_tokens: tuple[str, ...] = ()
+) -> Path:
     """Write the tiny model and its tokenizer (default: the byte tokenizer) as an ordinary
     HF directory; `stop_tokens` go into its generation config as end-of-reply ids."""
     out_dir = Path(out_dir)

@@ -7,8 +7,10 @@ import json
 import random
 from pathlib import Path
 
-WORDS = ("the cat sat on a mat while two dogs ran past seven red cars near an old tall tree "
-         "and then it rained so every bird flew home quickly").split()
+WORDS = (
+    "the cat sat on a mat while two dogs ran past seven red cars near an old tall tree "
+    "and then it rained so every bird flew home quickly"
+).split()
 
 
 def write_conversations(path: Path, n: int = 24, seed: int = 0) -> Path:
@@ -17,7 +19,10 @@ def write_conversations(path: Path, n: int = 24, seed: int = 0) -> Path:
         for _ in range(n):
             q = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8)))
             a = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 20)))
-            f.write(json.dumps({"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}) + "\n")
+            f.write(
+                json.dumps({"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
+                + "\n"
+            )
     return path
 
 
@@ -26,14 +31,32 @@ def tiny_recipe(run_dir: Path, target_dir: Path, features: str = "offline", **tr
     from eyas.recipe import recipe_from_dict
 
     tree = {
-        "name": "tiny", "run_dir": str(run_dir),
+        "name": "tiny",
+        "run_dir": str(run_dir),
         "target": {"name_or_path": str(target_dir), "dtype": "float32", "device": "cpu"},
-        "data": {"sources": [str(run_dir.parent / "conversations.jsonl")], "features": features,
-                 "eval_fraction": 0.15, "max_length": 512, "shard_tokens": 1024, "capture_batch_tokens": 512},
+        "data": {
+            "sources": [str(run_dir.parent / "conversations.jsonl")],
+            "features": features,
+            "eval_fraction": 0.15,
+            "max_length": 512,
+            "shard_tokens": 1024,
+            "capture_batch_tokens": 512,
+        },
         "head": {"draft_vocab_size": 64},
-        "train": {"batch_tokens": 512, "max_batch_size": 8, "ttt_steps": 3, "warmup_steps": 2, "log_every": 1,
-                  "eval_every": 4, "save_every": 4, "learning_rate": 3e-3, "logger": "jsonl",
-                  "mixed_precision": "no", "cpu_threads": 1, **train},
+        "train": {
+            "batch_tokens": 512,
+            "max_batch_size": 8,
+            "ttt_steps": 3,
+            "warmup_steps": 2,
+            "log_every": 1,
+            "eval_every": 4,
+            "save_every": 4,
+            "learning_rate": 3e-3,
+            "logger": "jsonl",
+            "mixed_precision": "no",
+            "cpu_threads": 1,
+            **train,
+        },
     }
     return recipe_from_dict(tree)
 
@@ -54,6 +77,7 @@ def prepare_run(tmp: Path, target_dir: Path, features: str = "offline", n: int =
         dd = load_prepared(recipe.paths.prepared)
         ids = list(default_aux_layer_ids(target.num_layers))
         for split in ("train", "eval"):
-            capture_split(target.model, dd[split], recipe.paths.cache / split, ids, "bf16", 512, 1024, 3,
-                          progress=False)
+            capture_split(
+                target.model, dd[split], recipe.paths.cache / split, ids, "bf16", 512, 1024, 3, progress=False
+            )
     return recipe

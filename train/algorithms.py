@@ -10,7 +10,7 @@ run). P-EAGLE's loss lives in `eyas.train.cod` and is imported only when asked f
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from eyas.train.copy_attention import copy_attention_loss, copy_attention_targets, recording_head0
 from eyas.train.fastpath import ttt_loss_valid_rows
@@ -25,13 +25,16 @@ def eagle3_loss(head, batch: dict, labels, train_cfg, generator=None) -> StepSta
     times the copy supervision of attention head 0 over the first
     `train_cfg.copy_attention_steps` steps."""
     if train_cfg.copy_attention_weight <= 0:
-        return ttt_loss_valid_rows(head, batch, labels, train_cfg.ttt_steps, train_cfg.ttt_decay,
-                                   train_cfg.compile_loss)
+        return ttt_loss_valid_rows(
+            head, batch, labels, train_cfg.ttt_steps, train_cfg.ttt_decay, train_cfg.compile_loss
+        )
     with recording_head0(head) as records:
-        stats = ttt_loss_valid_rows(head, batch, labels, train_cfg.ttt_steps, train_cfg.ttt_decay,
-                                    train_cfg.compile_loss)
-    targets = copy_attention_targets(batch["input_ids"], labels.valid, batch["attention_mask"],
-                                     steps=train_cfg.copy_attention_steps)
+        stats = ttt_loss_valid_rows(
+            head, batch, labels, train_cfg.ttt_steps, train_cfg.ttt_decay, train_cfg.compile_loss
+        )
+    targets = copy_attention_targets(
+        batch["input_ids"], labels.valid, batch["attention_mask"], steps=train_cfg.copy_attention_steps
+    )
     copy = copy_attention_loss(records, targets, train_cfg.ttt_decay)
     stats.loss = stats.loss + train_cfg.copy_attention_weight * copy
     stats.extra_losses["copy_attention_loss"] = float(copy.detach())
@@ -55,7 +58,9 @@ def loss_function(name: str) -> LossFn:
         try:
             fn = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as err:
-            raise NotImplementedError(f"algorithm {name!r} needs {module}.{attr}, which is not available: {err}") from err
+            raise NotImplementedError(
+                f"algorithm {name!r} needs {module}.{attr}, which is not available: {err}"
+            ) from err
         _REGISTRY[name] = fn
         return fn
     known = sorted(set(_REGISTRY) | set(_LAZY))

@@ -12,13 +12,15 @@ the shuffled split. The order of groups and of batches inside a group is shuffle
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 
 
-def pack_group(indices: Sequence[int], lengths: Sequence[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
+def pack_group(
+    indices: Sequence[int], lengths: Sequence[int], batch_tokens: int, max_batch_size: int
+) -> list[list[int]]:
     """Greedy packing of one group sorted by length (longest first): a batch grows while
     `longest × (count + 1) <= batch_tokens` and count < max_batch_size. A sample longer
     than `batch_tokens` gets a batch of its own."""
@@ -36,8 +38,15 @@ def pack_group(indices: Sequence[int], lengths: Sequence[int], batch_tokens: int
     return batches
 
 
-def plan_epoch(lengths: Sequence[int], groups: Sequence[Sequence[int]], batch_tokens: int, max_batch_size: int,
-               seed: int, epoch: int, multiple_of: int = 1) -> list[list[int]]:
+def plan_epoch(
+    lengths: Sequence[int],
+    groups: Sequence[Sequence[int]],
+    batch_tokens: int,
+    max_batch_size: int,
+    seed: int,
+    epoch: int,
+    multiple_of: int = 1,
+) -> list[list[int]]:
     """The micro-batches of one epoch (lists of sample indices). The count is cut down to a
     multiple of `multiple_of` (world size × grad accumulation) so every rank runs the
     same number of optimizer steps."""
@@ -56,7 +65,7 @@ def dataset_groups(n: int, seed: int, group_size: int) -> list[list[int]]:
     """Seeded chunks of a shuffled range(n): buckets for data without shards."""
     order = list(range(n))
     random.Random(seed).shuffle(order)
-    return [order[i:i + group_size] for i in range(0, n, group_size)]
+    return [order[i : i + group_size] for i in range(0, n, group_size)]
 
 
 def cache_groups(cache) -> list[list[int]]:
@@ -118,9 +127,21 @@ class BatchStream:
     row). Rank r of `world` takes micro-batches r, r + world, ... of each epoch plan.
     """
 
-    def __init__(self, source, lengths: Sequence[int], groups: Sequence[Sequence[int]], batch_tokens: int,
-                 max_batch_size: int, seed: int, rank: int = 0, world: int = 1, multiple_of: int = 1,
-                 pad_id: int = 0, position: DataPosition | None = None, pad_to_multiple_of: int = 1):
+    def __init__(
+        self,
+        source,
+        lengths: Sequence[int],
+        groups: Sequence[Sequence[int]],
+        batch_tokens: int,
+        max_batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world: int = 1,
+        multiple_of: int = 1,
+        pad_id: int = 0,
+        position: DataPosition | None = None,
+        pad_to_multiple_of: int = 1,
+    ):
         self.source, self.lengths, self.groups = source, list(lengths), groups
         self.batch_tokens, self.max_batch_size, self.seed = batch_tokens, max_batch_size, seed
         self.rank, self.world = rank, world
@@ -132,12 +153,21 @@ class BatchStream:
 
     def plan(self, epoch: int) -> list[list[int]]:
         if self._plan_epoch != epoch:
-            self._plan = plan_epoch(self.lengths, self.groups, self.batch_tokens, self.max_batch_size, self.seed,
-                                    epoch, self.multiple_of)
+            self._plan = plan_epoch(
+                self.lengths,
+                self.groups,
+                self.batch_tokens,
+                self.max_batch_size,
+                self.seed,
+                epoch,
+                self.multiple_of,
+            )
             self._plan_epoch = epoch
             if not self._plan:
-                raise ValueError(f"no batch fits: {len(self.lengths)} samples cannot fill {self.multiple_of} "
-                                 "micro-batches (lower train.batch_tokens, grad_accum or the process count)")
+                raise ValueError(
+                    f"no batch fits: {len(self.lengths)} samples cannot fill {self.multiple_of} "
+                    "micro-batches (lower train.batch_tokens, grad_accum or the process count)"
+                )
         return self._plan
 
     def batches_per_epoch(self) -> int:
@@ -163,23 +193,49 @@ class BatchStream:
 
     def _sample(self, i: int) -> dict:
         row = self.source[i]
-        return row if isinstance(row.get("input_ids"), torch.Tensor) else {
-            "input_ids": row["input_ids"], "loss_mask": row["loss_mask"]}
+        return (
+            row
+            if isinstance(row.get("input_ids"), torch.Tensor)
+            else {"input_ids": row["input_ids"], "loss_mask": row["loss_mask"]}
+        )
 
 
 def offline_stream(cache, train_cfg, rank=0, world=1, position=None, pad_id: int = 0) -> BatchStream:
     """Batches from a `FeatureCache` (aux and last included)."""
-    return BatchStream(cache, cache.lengths, cache_groups(cache), train_cfg.batch_tokens, train_cfg.max_batch_size,
-                       train_cfg.seed, rank, world, train_cfg.grad_accum, pad_id, position,
-                       train_cfg.pad_to_multiple_of)
+    return BatchStream(
+        cache,
+        cache.lengths,
+        cache_groups(cache),
+        train_cfg.batch_tokens,
+        train_cfg.max_batch_size,
+        train_cfg.seed,
+        rank,
+        world,
+        train_cfg.grad_accum,
+        pad_id,
+        position,
+        train_cfg.pad_to_multiple_of,
+    )
 
 
-def online_stream(dataset, train_cfg, rank=0, world=1, position=None, pad_id: int = 0,
-                  group_batches: int = 64) -> BatchStream:
+def online_stream(
+    dataset, train_cfg, rank=0, world=1, position=None, pad_id: int = 0, group_batches: int = 64
+) -> BatchStream:
     """Batches of token ids from a prepared split; features come from the target later."""
     lengths = [len(x) for x in dataset["input_ids"]]
     group_size = max(1, group_batches * train_cfg.max_batch_size)
     groups = dataset_groups(len(lengths), train_cfg.seed, group_size)
-    return BatchStream(dataset.with_format(None), lengths, groups, train_cfg.batch_tokens, train_cfg.max_batch_size,
-                       train_cfg.seed, rank, world, train_cfg.grad_accum, pad_id, position,
-                       train_cfg.pad_to_multiple_of)
+    return BatchStream(
+        dataset.with_format(None),
+        lengths,
+        groups,
+        train_cfg.batch_tokens,
+        train_cfg.max_batch_size,
+        train_cfg.seed,
+        rank,
+        world,
+        train_cfg.grad_accum,
+        pad_id,
+        position,
+        train_cfg.pad_to_multiple_of,
+    )

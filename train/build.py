@@ -38,19 +38,29 @@ def aux_layer_ids_for(recipe, target_config) -> list[int]:
     return list(ids) if ids else list(default_aux_layer_ids(text_config(target_config).num_hidden_layers))
 
 
-def head_config_for(recipe, target_config, verifier: str | None = None, tokenizer=None,
-                    token_freqs: torch.Tensor | None = None) -> DraftHeadConfig:
+def head_config_for(
+    recipe,
+    target_config,
+    verifier: str | None = None,
+    tokenizer=None,
+    token_freqs: torch.Tensor | None = None,
+) -> DraftHeadConfig:
     """The head config of a recipe's `head` section over the target's HF config. A P-EAGLE
     head without an explicit mask id gets one from `choose_mask_token_id` (the tokenizer's
     mask token, else an unused or reserved id; never pad/EOS, whose rows the target uses)."""
     h = recipe.head
     mask_id = h.mask_token_id
     if h.draft_vocab_size > (vocab := text_config(target_config).vocab_size):
-        log.warning("head.draft_vocab_size %d is above the target's vocabulary (%d): the head drafts over the "
-                    "whole target vocabulary, with no draft-vocabulary map", h.draft_vocab_size, vocab)
+        log.warning(
+            "head.draft_vocab_size %d is above the target's vocabulary (%d): the head drafts over the "
+            "whole target vocabulary, with no draft-vocabulary map",
+            h.draft_vocab_size,
+            vocab,
+        )
     if h.algorithm == "peagle":
-        mask_id = choose_mask_token_id(tokenizer, text_config(target_config).vocab_size, explicit=mask_id,
-                                       token_freqs=token_freqs)
+        mask_id = choose_mask_token_id(
+            tokenizer, text_config(target_config).vocab_size, explicit=mask_id, token_freqs=token_freqs
+        )
     return head_config_from_target(
         text_config(target_config),
         aux_layer_ids=aux_layer_ids_for(recipe, target_config),
@@ -82,23 +92,34 @@ def fit_frequencies(freqs: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat([freqs, freqs.new_zeros(vocab_size - freqs.numel())])
 
 
-def build_trainable_head(config: DraftHeadConfig, target_model: nn.Module, freqs: torch.Tensor | None) -> Eagle3Head:
+def build_trainable_head(
+    config: DraftHeadConfig, target_model: nn.Module, freqs: torch.Tensor | None
+) -> Eagle3Head:
     """A float32 head with its vocabulary map set (from `freqs` [Vt], the masked-token
     counts) and its embedding / LM head rows / final norm copied from the target."""
     norm, lm_head = target_norm_and_lm_head(target_model)
     embed = target_model.get_input_embeddings().weight
-    return head_from_target_weights(config, freqs, embed.detach(), lm_head.weight.detach(), norm.weight.detach())
+    return head_from_target_weights(
+        config, freqs, embed.detach(), lm_head.weight.detach(), norm.weight.detach()
+    )
 
 
-def head_from_target_weights(config: DraftHeadConfig, freqs: torch.Tensor | None, embed: torch.Tensor,
-                             lm_head_weight: torch.Tensor, norm_weight: torch.Tensor) -> Eagle3Head:
+def head_from_target_weights(
+    config: DraftHeadConfig,
+    freqs: torch.Tensor | None,
+    embed: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+) -> Eagle3Head:
     """`build_trainable_head` from the target's tensors alone: embed / lm_head_weight
     [Vt, Ht], norm_weight [Ht] (benchmarks build heads at a target's shape without it)."""
     head = build_head(config).float()
     if config.uses_vocab_map:
         if freqs is None:
-            raise ValueError("a draft vocabulary smaller than the target's needs token frequencies "
-                             "(run `eyas prepare`: prepared/token_freqs.safetensors)")
+            raise ValueError(
+                "a draft vocabulary smaller than the target's needs token frequencies "
+                "(run `eyas prepare`: prepared/token_freqs.safetensors)"
+            )
         vmap = build_vocab_map(fit_frequencies(freqs, config.vocab_size), config.draft_vocab_size)
         head.set_vocab_map(vmap.d2t, vmap.t2d)
     head.init_from_target(embed.float().cpu(), lm_head_weight.float().cpu(), norm_weight.float().cpu())
@@ -124,10 +145,16 @@ class HeadWithLoss(nn.Module):
 
 # recipe head field -> the head config field it sets
 HEAD_SHAPE_FIELDS = {
-    "num_layers": "num_hidden_layers", "draft_vocab_size": "draft_vocab_size", "hidden_size": "hidden_size",
-    "intermediate_size": "intermediate_size", "num_attention_heads": "num_attention_heads",
-    "num_key_value_heads": "num_key_value_heads", "head_dim": "head_dim",
-    "norm_before_residual": "norm_before_residual", "norm_before_fc": "norm_before_fc", "fc_norm": "fc_norm",
+    "num_layers": "num_hidden_layers",
+    "draft_vocab_size": "draft_vocab_size",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "norm_before_residual": "norm_before_residual",
+    "norm_before_fc": "norm_before_fc",
+    "fc_norm": "fc_norm",
     "norm_output": "norm_output",
 }
 
@@ -136,60 +163,93 @@ class InitFromError(ValueError):
     """A `train.init_from` head the recipe contradicts or the target cannot feed."""
 
 
-def init_from_config(recipe, imported: DraftHeadConfig, target_config, source: str, verifier: str | None = None,
-                     tokenizer=None, token_freqs: torch.Tensor | None = None) -> DraftHeadConfig:
+def init_from_config(
+    recipe,
+    imported: DraftHeadConfig,
+    target_config,
+    source: str,
+    verifier: str | None = None,
+    tokenizer=None,
+    token_freqs: torch.Tensor | None = None,
+) -> DraftHeadConfig:
     """The config of a run that starts from `imported`: its architecture, the recipe's
     algorithm and K. A recipe head field set explicitly to another value is an error that
     names both; so are aux layers the data is captured at but the head does not read."""
     h = recipe.head
-    conflicts = [f"head.{key} = {getattr(h, key)!r}, but {source} has {field} = {getattr(imported, field)!r}"
-                 for key, field in HEAD_SHAPE_FIELDS.items()
-                 if key in h.model_fields_set and getattr(h, key) != getattr(imported, field)]
+    conflicts = [
+        f"head.{key} = {getattr(h, key)!r}, but {source} has {field} = {getattr(imported, field)!r}"
+        for key, field in HEAD_SHAPE_FIELDS.items()
+        if key in h.model_fields_set and getattr(h, key) != getattr(imported, field)
+    ]
     ids = recipe.data.aux_layer_ids
     if ids and list(ids) != list(imported.aux_layer_ids):
-        conflicts.append(f"data.aux_layer_ids = {list(ids)}, but {source} reads target layers "
-                         f"{imported.aux_layer_ids}")
+        conflicts.append(
+            f"data.aux_layer_ids = {list(ids)}, but {source} reads target layers {imported.aux_layer_ids}"
+        )
     text = text_config(target_config)
-    for what, mine, theirs in (("hidden size", imported.target_hidden_size, text.hidden_size),
-                               ("vocabulary", imported.vocab_size, text.vocab_size)):
+    for what, mine, theirs in (
+        ("hidden size", imported.target_hidden_size, text.hidden_size),
+        ("vocabulary", imported.vocab_size, text.vocab_size),
+    ):
         if mine != theirs:
             conflicts.append(f"{source} was built for a target {what} of {mine}; this target's is {theirs}")
     if imported.aux_layer_ids[-1] >= text.num_hidden_layers:
-        conflicts.append(f"{source} reads target layers {imported.aux_layer_ids}; this target has "
-                         f"{text.num_hidden_layers}")
+        conflicts.append(
+            f"{source} reads target layers {imported.aux_layer_ids}; this target has {text.num_hidden_layers}"
+        )
     if conflicts:
-        raise InitFromError("train.init_from: " + "; ".join(conflicts) + ". Drop those keys from the recipe "
-                            "(the head's own values are used) or train a fresh head")
+        raise InitFromError(
+            "train.init_from: " + "; ".join(conflicts) + ". Drop those keys from the recipe "
+            "(the head's own values are used) or train a fresh head"
+        )
     mask_id = imported.mask_token_id
     if h.algorithm == "peagle" and (imported.algorithm != "peagle" or h.mask_token_id is not None):
         if imported.algorithm == "peagle" and h.mask_token_id != imported.mask_token_id:
-            raise InitFromError(f"train.init_from: head.mask_token_id = {h.mask_token_id}, but {source} trained "
-                                f"mask token {imported.mask_token_id}")
-        mask_id = choose_mask_token_id(tokenizer, text.vocab_size, explicit=h.mask_token_id, token_freqs=token_freqs)
+            raise InitFromError(
+                f"train.init_from: head.mask_token_id = {h.mask_token_id}, but {source} trained "
+                f"mask token {imported.mask_token_id}"
+            )
+        mask_id = choose_mask_token_id(
+            tokenizer, text.vocab_size, explicit=h.mask_token_id, token_freqs=token_freqs
+        )
     if h.algorithm == "eagle3":
         mask_id = None
-    return imported.model_copy(update=dict(
-        algorithm=h.algorithm, mask_token_id=mask_id, speculative_tokens=h.speculative_tokens,
-        target_num_layers=text.num_hidden_layers, target_model_type=text.model_type,
-        target_architectures=list(getattr(target_config, "architectures", None) or imported.target_architectures),
-        verifier_name_or_path=verifier or imported.verifier_name_or_path,
-    ))
+    return imported.model_copy(
+        update=dict(
+            algorithm=h.algorithm,
+            mask_token_id=mask_id,
+            speculative_tokens=h.speculative_tokens,
+            target_num_layers=text.num_hidden_layers,
+            target_model_type=text.model_type,
+            target_architectures=list(
+                getattr(target_config, "architectures", None) or imported.target_architectures
+            ),
+            verifier_name_or_path=verifier or imported.verifier_name_or_path,
+        )
+    )
 
 
 @torch.no_grad()
-def head_from_checkpoint(config: DraftHeadConfig, source: Eagle3Head, target_model: nn.Module) -> tuple[Eagle3Head, list[str]]:
+def head_from_checkpoint(
+    config: DraftHeadConfig, source: Eagle3Head, target_model: nn.Module
+) -> tuple[Eagle3Head, list[str]]:
     """A float32 head of `config` holding `source`'s weights and draft vocabulary. What
     `source` lacks (a P-EAGLE head's mask parameters, started from an EAGLE-3 head) is
     initialised as for a fresh head; returns the head and the names started fresh."""
     norm, lm_head = target_norm_and_lm_head(target_model)
     embed = target_model.get_input_embeddings().weight
     head = build_head(config).float()
-    head.init_from_target(embed.detach().float().cpu(), lm_head.weight.detach().float().cpu(),
-                          norm.weight.detach().float().cpu())
+    head.init_from_target(
+        embed.detach().float().cpu(),
+        lm_head.weight.detach().float().cpu(),
+        norm.weight.detach().float().cpu(),
+    )
     theirs = source.state_dict()
     # A head that does not train its embedding serves with the target's, so only a head
     # that trains one takes the source's own.
-    own_embedding = head.trains_embedding and (source.trains_embedding or getattr(source, "embedding_in_export", False))
+    own_embedding = head.trains_embedding and (
+        source.trains_embedding or getattr(source, "embedding_in_export", False)
+    )
     fresh = []
     for name, t in head.state_dict().items():
         if name == "embed_tokens.weight" and not own_embedding:
@@ -216,12 +276,16 @@ def draft_vocab_coverage(head: Eagle3Head, freqs: torch.Tensor | None) -> float 
     return float(counts[head.t2d.cpu()].sum()) / total
 
 
-def initial_head(recipe, target, freqs: torch.Tensor | None, verifier: str | None) -> tuple[Eagle3Head, DraftHeadConfig]:
+def initial_head(
+    recipe, target, freqs: torch.Tensor | None, verifier: str | None
+) -> tuple[Eagle3Head, DraftHeadConfig]:
     """The head a run starts from: `train.init_from`'s weights when it names one, else a
     fresh head shaped by the recipe (both float32, on the CPU)."""
     source_name = recipe.train.init_from
     if not source_name:
-        cfg = head_config_for(recipe, target.config, verifier=verifier, tokenizer=target.tokenizer, token_freqs=freqs)
+        cfg = head_config_for(
+            recipe, target.config, verifier=verifier, tokenizer=target.tokenizer, token_freqs=freqs
+        )
         return build_trainable_head(cfg, target.model, freqs), cfg
     from eyas.heads.fetch import fetch_head
     from eyas.heads.head_dir import target_facts
@@ -229,18 +293,40 @@ def initial_head(recipe, target, freqs: torch.Tensor | None, verifier: str | Non
 
     source_dir = fetch_head(source_name, revision=recipe.train.init_from_revision)
     embed = target.model.get_input_embeddings().weight.detach().float().cpu()
-    source = load_any_head(source_dir, target_embed=embed, dtype=torch.float32,
-                           target=target_facts(target.config, f"target {recipe.target.name_or_path}"))
-    cfg = init_from_config(recipe, source.config, target.config, f"train.init_from {source_name}", verifier=verifier,
-                           tokenizer=target.tokenizer, token_freqs=freqs)
+    source = load_any_head(
+        source_dir,
+        target_embed=embed,
+        dtype=torch.float32,
+        target=target_facts(target.config, f"target {recipe.target.name_or_path}"),
+    )
+    cfg = init_from_config(
+        recipe,
+        source.config,
+        target.config,
+        f"train.init_from {source_name}",
+        verifier=verifier,
+        tokenizer=target.tokenizer,
+        token_freqs=freqs,
+    )
     head, fresh = head_from_checkpoint(cfg, source, target.model)
     coverage = draft_vocab_coverage(head, freqs)
-    log.info("train.init_from %s: the %s head (%d layer(s), draft vocabulary %d) %s%s", source_name,
-             source.config.algorithm, cfg.num_hidden_layers, cfg.draft_vocab_size,
-             f"continued as {cfg.algorithm}" if cfg.algorithm == source.config.algorithm
-             else f"starting a {cfg.algorithm} head ({', '.join(fresh)} fresh)",
-             "" if coverage is None else f"; its draft vocabulary holds {coverage:.1%} of this data's trained tokens")
+    log.info(
+        "train.init_from %s: the %s head (%d layer(s), draft vocabulary %d) %s%s",
+        source_name,
+        source.config.algorithm,
+        cfg.num_hidden_layers,
+        cfg.draft_vocab_size,
+        f"continued as {cfg.algorithm}"
+        if cfg.algorithm == source.config.algorithm
+        else f"starting a {cfg.algorithm} head ({', '.join(fresh)} fresh)",
+        ""
+        if coverage is None
+        else f"; its draft vocabulary holds {coverage:.1%} of this data's trained tokens",
+    )
     if coverage is not None and coverage < 0.9:
-        log.warning("train.init_from: the head's draft vocabulary holds only %.1f%% of this data's trained tokens; "
-                    "a fresh head (its vocabulary from this data) may draft better", 100 * coverage)
+        log.warning(
+            "train.init_from: the head's draft vocabulary holds only %.1f%% of this data's trained tokens; "
+            "a fresh head (its vocabulary from this data) may draft better",
+            100 * coverage,
+        )
     return head, cfg

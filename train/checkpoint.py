@@ -54,7 +54,7 @@ class TrainerState:
         return json.dumps(self.__dict__, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "TrainerState":
+    def from_json(cls, text: str) -> TrainerState:
         return cls(**json.loads(text))
 
 
@@ -147,8 +147,10 @@ def weights_only_loads():
         except pickle.UnpicklingError as err:
             named = re.search(r"GLOBAL ([\w.]+)", str(err))
             what = f"the type {named.group(1)}" if named else "a type"
-            raise UnsafeCheckpointError(f"{f}: holds {what}, which eyas does not unpickle; nothing was loaded. "
-                                        "Resume from a checkpoint eyas wrote, or pass --restart") from None
+            raise UnsafeCheckpointError(
+                f"{f}: holds {what}, which eyas does not unpickle; nothing was loaded. "
+                "Resume from a checkpoint eyas wrote, or pass --restart"
+            ) from None
 
     torch.load = load
     try:
@@ -162,8 +164,15 @@ def uses_engine_state(accelerator) -> bool:
     return accelerator.distributed_type.name in ("DEEPSPEED", "FSDP")
 
 
-def save_checkpoint(root: str | Path, accelerator, model, optimizer, state: TrainerState,
-                    generator: torch.Generator | None = None, keep: int = 2) -> Path:
+def save_checkpoint(
+    root: str | Path,
+    accelerator,
+    model,
+    optimizer,
+    state: TrainerState,
+    generator: torch.Generator | None = None,
+    keep: int = 2,
+) -> Path:
     """Write checkpoint `step-<state.step>` atomically (every rank calls this). `model` is
     the prepared (wrapped) module whose unwrapped form has a `.head`."""
     root = Path(root)
@@ -180,8 +189,10 @@ def save_checkpoint(root: str | Path, accelerator, model, optimizer, state: Trai
         head = accelerator.unwrap_model(model).head
         save_file(head_state_dict(head), str(tmp / "model.safetensors"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    save_file({k: v.contiguous() for k, v in rng_tensors(generator).items()},
-              str(tmp / f"rng-rank{accelerator.process_index}.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in rng_tensors(generator).items()},
+        str(tmp / f"rng-rank{accelerator.process_index}.safetensors"),
+    )
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         # state.json last: its presence marks a complete checkpoint.
@@ -195,14 +206,17 @@ def save_checkpoint(root: str | Path, accelerator, model, optimizer, state: Trai
     return final
 
 
-def load_checkpoint(path: str | Path, accelerator, model, optimizer,
-                    generator: torch.Generator | None = None) -> TrainerState:
+def load_checkpoint(
+    path: str | Path, accelerator, model, optimizer, generator: torch.Generator | None = None
+) -> TrainerState:
     """Restore a checkpoint written by `save_checkpoint` into the prepared objects."""
     path = Path(path)
     state = read_trainer_state(path)
     if uses_engine_state(accelerator):
         if not (path / "accelerate").is_dir():
-            raise ValueError(f"{path}: written without DeepSpeed/FSDP; resume it with the same launcher config")
+            raise ValueError(
+                f"{path}: written without DeepSpeed/FSDP; resume it with the same launcher config"
+            )
         with weights_only_loads():
             accelerator.load_state(str(path / "accelerate"))
     else:
@@ -214,8 +228,9 @@ def load_checkpoint(path: str | Path, accelerator, model, optimizer,
         missing = [k for k in missing if not (k == "embed_tokens.weight" and not head.trains_embedding)]
         if missing or unexpected:
             raise ValueError(f"{path / 'model.safetensors'}: missing {missing}, unexpected {unexpected}")
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=accelerator.device,
-                                             weights_only=True))
+        optimizer.load_state_dict(
+            torch.load(path / "optimizer.pt", map_location=accelerator.device, weights_only=True)
+        )
     rng_file = path / f"rng-rank{accelerator.process_index}.safetensors"
     if rng_file.is_file():
         restore_rng(load_file(str(rng_file)), generator)

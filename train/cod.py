@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -40,8 +39,9 @@ def cod_depth_counts(n_valid: int, num_depths: int, r: float, r_min: float) -> l
     return counts
 
 
-def cod_sample(n_valid: int, num_depths: int, r: float, r_min: float,
-               generator: Optional[torch.Generator] = None) -> list[torch.Tensor]:
+def cod_sample(
+    n_valid: int, num_depths: int, r: float, r_min: float, generator: torch.Generator | None = None
+) -> list[torch.Tensor]:
     """Kept anchors per depth for one sequence of n_valid real slots: a list of
     num_depths sorted long tensors (depth 0 = arange(n_valid)); prefix-closed per anchor."""
     device = generator.device if generator is not None else torch.device("cpu")
@@ -75,8 +75,13 @@ class PEagleElements:
         return peagle_dense_mask(self.anchor, self.depth, self.real)
 
 
-def cod_grid(attention_mask: torch.Tensor, num_depths: int, r: float, r_min: float,
-             generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def cod_grid(
+    attention_mask: torch.Tensor,
+    num_depths: int,
+    r: float,
+    r_min: float,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """attention_mask [B, T] (right padding) -> keep [B, D·T] bool, cell d·T + p = (p, d)."""
     b, t = attention_mask.shape
     lengths = attention_mask.bool().sum(1).tolist()
@@ -128,11 +133,13 @@ def element_label_slots(elements: PEagleElements, labels: TargetLabels) -> tuple
 def peagle_forward(head: PEagleHead, elements: PEagleElements, input_ids, aux) -> torch.Tensor:
     """Logits [B, L, Vd] of every element, in one pass under the P-EAGLE mask."""
     tokens, hidden = element_inputs(head, elements, input_ids, aux)
-    logits, _ = head.forward_step(tokens, hidden, elements.positions, head.new_cache(), elements.attention_mask())
+    logits, _ = head.forward_step(
+        tokens, hidden, elements.positions, head.new_cache(), elements.attention_mask()
+    )
     return logits
 
 
-def segment_keeps(keep: torch.Tensor, t: int, num_depths: int, segment_length: Optional[int]):
+def segment_keeps(keep: torch.Tensor, t: int, num_depths: int, segment_length: int | None):
     """Split keep [B, D·T] into segments of `segment_length` anchors. Segment [a0, a1)
     holds the depth-0 cells of anchors < a1 (the prefix its queries attend to) and the
     deeper cells of anchors in [a0, a1); yields (cells, loss cells) pairs [B, D·T] where
@@ -147,8 +154,9 @@ def segment_keeps(keep: torch.Tensor, t: int, num_depths: int, segment_length: O
         yield keep & ((depth0 & (anchors < a1)) | own), own
 
 
-def _segment_loss(head, elements: PEagleElements, bi, li, target_rows, input_ids, aux, total: int,
-                  compile_mode: str = "off"):
+def _segment_loss(
+    head, elements: PEagleElements, bi, li, target_rows, input_ids, aux, total: int, compile_mode: str = "off"
+):
     """The segment's share of the loss (sum of its per-element soft CE / total) plus, detached,
     the per-element CE [N] and draft argmax [N] for elements (bi, li)."""
     logits = peagle_forward(head, elements, input_ids, aux)
@@ -161,7 +169,9 @@ def _segment_loss(head, elements: PEagleElements, bi, li, target_rows, input_ids
     return ce.sum() / total, ce.detach(), top
 
 
-def peagle_loss(head: PEagleHead, batch: dict, labels: TargetLabels, train_cfg, generator: Optional[torch.Generator]) -> StepStats:
+def peagle_loss(
+    head: PEagleHead, batch: dict, labels: TargetLabels, train_cfg, generator: torch.Generator | None
+) -> StepStats:
     """COD-sampled P-EAGLE loss of a batch: the mean soft cross-entropy over every kept
     element whose label slot is valid, with per-depth losses, hits and counts.
 
@@ -188,8 +198,17 @@ def peagle_loss(head: PEagleHead, batch: dict, labels: TargetLabels, train_cfg, 
         slot, valid = element_label_slots(elements, labels)
         bi, li = (valid & owned).nonzero(as_tuple=True)
         rows = slot[bi, li]
-        args = (head, elements, bi, li, labels.logits[bi, rows], input_ids, aux, total,
-                train_cfg.compile_loss)
+        args = (
+            head,
+            elements,
+            bi,
+            li,
+            labels.logits[bi, rows],
+            input_ids,
+            aux,
+            total,
+            train_cfg.compile_loss,
+        )
         if len(segments) > 1:
             seg_loss, ce, pred = checkpoint(_segment_loss, *args, use_reentrant=False)
         else:
@@ -200,5 +219,6 @@ def peagle_loss(head: PEagleHead, batch: dict, labels: TargetLabels, train_cfg, 
         hits.index_add_(0, d, (pred == labels.argmax[bi, rows]).long().cpu())
         counts.index_add_(0, d, torch.ones_like(d))
     per_depth = (loss_sum / counts.clamp(min=1)).tolist()
-    return StepStats(loss=loss, step_losses=per_depth, hits=hits.tolist(), counts=counts.tolist(),
-                     tokens=int(am.sum()))
+    return StepStats(
+        loss=loss, step_losses=per_depth, hits=hits.tolist(), counts=counts.tolist(), tokens=int(am.sum())
+    )

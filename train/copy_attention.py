@@ -29,8 +29,13 @@ COPY_MIN_MATCH = 2
 
 
 @torch.no_grad()
-def copy_attention_targets(input_ids: torch.Tensor, label_valid: torch.Tensor, attention_mask: torch.Tensor,
-                           steps: int = 1, min_match: int = COPY_MIN_MATCH) -> torch.Tensor:
+def copy_attention_targets(
+    input_ids: torch.Tensor,
+    label_valid: torch.Tensor,
+    attention_mask: torch.Tensor,
+    steps: int = 1,
+    min_match: int = COPY_MIN_MATCH,
+) -> torch.Tensor:
     """The step-0 slot each query of TTT steps 0..steps-1 should read, or -1.
 
     input_ids, label_valid, attention_mask [B, T]; label_valid[b, s] says the target slot s
@@ -50,18 +55,18 @@ def copy_attention_targets(input_ids: torch.Tensor, label_valid: torch.Tensor, a
     # match[b, q, j]: x_{j-i} == x_{q+1-i} for i < m and x_{j+1} == x_{q+2}; the bound on j
     # depends on the step
     j_idx = torch.arange(t - 1, device=x.device)  # j + 1 must exist
-    match = (x[:, None, 1:t] == x[:, 2:t, None])  # [B, n, t-1]
+    match = x[:, None, 1:t] == x[:, 2:t, None]  # [B, n, t-1]
     for i in range(min_match):
         qi, ji = q_idx + 1 - i, j_idx - i
         xq = torch.where(qi >= 0, x[:, qi.clamp(min=0)], -3)  # before the start: matches nothing
         xj = torch.where(ji >= 0, x[:, ji.clamp(min=0)], -2)
         match &= xj[:, None, :] == xq[:, :, None]
     match &= (x[:, 1:t] >= 0)[:, None, :]
-    match &= label_valid[:, 1:n + 1].bool()[:, :, None]
+    match &= label_valid[:, 1 : n + 1].bool()[:, :, None]
     for k in range(min(steps, n)):
         # step k's query slot t plays step 0's query q = t + k but sees only j <= t
-        rows = match[:, k:] & (j_idx[None, None, :] <= q_idx[:n - k, None])
-        out[k, :, :n - k] = (rows.long() * (j_idx + 1)).amax(-1) - 1
+        rows = match[:, k:] & (j_idx[None, None, :] <= q_idx[: n - k, None])
+        out[k, :, : n - k] = (rows.long() * (j_idx + 1)).amax(-1) - 1
     return out
 
 

@@ -47,9 +47,15 @@ def draft_first_lm_head(lm_head_weight: torch.Tensor, draft_ids: torch.Tensor) -
 
 
 @torch.no_grad()
-def valid_row_labels(last_hidden: torch.Tensor, norm: nn.Module, lm_head: DraftFirstLMHead,
-                     loss_mask: torch.Tensor, attention_mask: torch.Tensor, chunk_tokens: int = 4096,
-                     known_valid: torch.Tensor | None = None) -> TargetLabels:
+def valid_row_labels(
+    last_hidden: torch.Tensor,
+    norm: nn.Module,
+    lm_head: DraftFirstLMHead,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    chunk_tokens: int = 4096,
+    known_valid: torch.Tensor | None = None,
+) -> TargetLabels:
     """`target_labels` computed only where token s+1 is real and masked; other slots get
     zero logits, argmax -1 and valid False. Shapes as in `target_labels`; `lm_head` from
     `draft_first_lm_head`. A slot counts when the target's top logit is reached by a draft
@@ -69,12 +75,12 @@ def valid_row_labels(last_hidden: torch.Tensor, norm: nn.Module, lm_head: DraftF
     argmax = torch.full((b * t,), -1, dtype=torch.long, device=last_hidden.device)
     valid = torch.zeros(b * t, dtype=torch.bool, device=last_hidden.device)
     for start in range(0, rows.numel(), chunk_tokens):
-        r = rows[start:start + chunk_tokens]
+        r = rows[start : start + chunk_tokens]
         # computed on a row count rounded up (repeating a row), the rest dropped: one shape
         # per few batches instead of one per batch
         padded = torch.cat([r, r[:1].expand(_round_up(r.numel()) - r.numel())])
         read = weight[:vd] if known_valid is not None else weight  # draft rows first
-        full = (norm(flat[padded].to(weight.dtype)) @ read.T)[:r.numel()]  # [n, Vt or Vd]
+        full = (norm(flat[padded].to(weight.dtype)) @ read.T)[: r.numel()]  # [n, Vt or Vd]
         draft = full[:, :vd].float()
         best = argmax_rows(draft)
         logits[r] = draft
@@ -109,8 +115,9 @@ def _trunk_step(head, input_ids, hidden, positions, cache, mask) -> torch.Tensor
     return h
 
 
-def ttt_loss_valid_rows(head, batch: dict, labels: TargetLabels, steps: int, decay: float,
-                        compile_mode: str = "off") -> StepStats:
+def ttt_loss_valid_rows(
+    head, batch: dict, labels: TargetLabels, steps: int, decay: float, compile_mode: str = "off"
+) -> StepStats:
     """`ttt_loss` with the LM head and the loss evaluated only on valid query slots.
 
     Every step reads the rows of the valid label slots s in one fixed order: step k's

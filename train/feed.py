@@ -27,7 +27,9 @@ class FeatureSource:
         self.aux_layer_ids = aux_layer_ids
         self.output = output
         self.lm_head = draft_first_lm_head(output.lm_head_weight, head.draft_token_ids())
-        self._valid: dict[tuple[str, int], torch.Tensor] = {}  # (split, index) -> valid label slots [T_i], CPU
+        self._valid: dict[
+            tuple[str, int], torch.Tensor
+        ] = {}  # (split, index) -> valid label slots [T_i], CPU
 
     @torch.no_grad()
     def complete(self, batch: dict, split: str = "train"):
@@ -36,8 +38,9 @@ class FeatureSource:
         if "aux" not in batch:
             from eyas.data.targets import compute_features
 
-            batch["aux"], batch["last"] = compute_features(self.target_model, batch["input_ids"],
-                                                           batch["attention_mask"], self.aux_layer_ids)
+            batch["aux"], batch["last"] = compute_features(
+                self.target_model, batch["input_ids"], batch["attention_mask"], self.aux_layer_ids
+            )
         index = batch.pop("index", None)
         known = None
         keys = [(split, i) for i in index.tolist()] if index is not None else []
@@ -45,14 +48,20 @@ class FeatureSource:
             known = torch.zeros(batch["loss_mask"].shape, dtype=torch.bool)
             for row, k in enumerate(keys):
                 v = self._valid[k]
-                known[row, :v.numel()] = v
+                known[row, : v.numel()] = v
             known = known.to(batch["loss_mask"].device)
-        labels = valid_row_labels(batch["last"], self.output.norm, self.lm_head, batch["loss_mask"],
-                                  batch["attention_mask"], known_valid=known)
+        labels = valid_row_labels(
+            batch["last"],
+            self.output.norm,
+            self.lm_head,
+            batch["loss_mask"],
+            batch["attention_mask"],
+            known_valid=known,
+        )
         if keys and known is None:
             lengths = batch["attention_mask"].sum(1).tolist()
             for row, k in enumerate(keys):
-                self._valid[k] = labels.valid[row, :lengths[row]].cpu()
+                self._valid[k] = labels.valid[row, : lengths[row]].cpu()
         return batch, labels
 
 
@@ -69,10 +78,15 @@ def open_split(recipe, head_cfg, split: str):
         stale = stale_cache_problem(cache.dir, cache.prepared_digest, read_prepared_digest(paths.prepared))
         if stale:
             raise StaleCacheError(stale)
-        if cache.aux_layer_ids != list(head_cfg.aux_layer_ids) or cache.hidden_size != head_cfg.target_hidden_size:
-            raise ValueError(f"{cache.dir}: cached aux layers {cache.aux_layer_ids} / hidden {cache.hidden_size} do "
-                             f"not match the head's {head_cfg.aux_layer_ids} / {head_cfg.target_hidden_size}; "
-                             "recapture or set data.aux_layer_ids")
+        if (
+            cache.aux_layer_ids != list(head_cfg.aux_layer_ids)
+            or cache.hidden_size != head_cfg.target_hidden_size
+        ):
+            raise ValueError(
+                f"{cache.dir}: cached aux layers {cache.aux_layer_ids} / hidden {cache.hidden_size} do "
+                f"not match the head's {head_cfg.aux_layer_ids} / {head_cfg.target_hidden_size}; "
+                "recapture or set data.aux_layer_ids"
+            )
         return cache
     from eyas.data.prepare import load_prepared
 

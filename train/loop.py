@@ -17,13 +17,19 @@ from pathlib import Path
 
 import torch
 
+from eyas.data.prepare import read_prepared_digest
 from eyas.precision import resolve_mixed_precision, shapes_of_config
 from eyas.train.algorithms import loss_function
-from eyas.data.prepare import read_prepared_digest
 from eyas.train.batching import DataPosition
 from eyas.train.build import HeadWithLoss, frozen_output, initial_head
-from eyas.train.checkpoint import (TrainerState, latest_checkpoint, load_checkpoint, read_trainer_state,
-                                   save_checkpoint, uses_engine_state)
+from eyas.train.checkpoint import (
+    TrainerState,
+    latest_checkpoint,
+    load_checkpoint,
+    read_trainer_state,
+    save_checkpoint,
+    uses_engine_state,
+)
 from eyas.train.feed import FeatureSource, batch_stream, open_split, to_device
 from eyas.train.metrics import AccuracyMeter, make_logger
 from eyas.train.run_settings import RerunRefused, changed_settings, training_settings
@@ -92,7 +98,9 @@ def _fill_deepspeed_config(accelerator, cfg) -> None:
     ds["gradient_accumulation_steps"] = cfg.grad_accum
 
 
-def train(recipe, target=None, progress: bool = True, restart: bool = False, accept_changes: bool = False) -> dict:
+def train(
+    recipe, target=None, progress: bool = True, restart: bool = False, accept_changes: bool = False
+) -> dict:
     """Train the head a recipe describes; resumes from the newest checkpoint under
     `run_dir/checkpoints` (unless train.resume is false). Returns a summary dict with the
     final step, the final head directory and the last train/eval metrics
@@ -120,7 +128,9 @@ def train(recipe, target=None, progress: bool = True, restart: bool = False, acc
     # Without a GPU, torchrun-launched processes (`accelerate launch --multi_gpu`) only form a
     # gloo process group when accelerate is told to use the CPU.
     # DeepSpeed picks its own device (DS_ACCELERATOR=cpu on a CPU machine).
-    on_cpu = recipe.target.device == "cpu" or (recipe.target.device == "auto" and not torch.cuda.is_available())
+    on_cpu = recipe.target.device == "cpu" or (
+        recipe.target.device == "auto" and not torch.cuda.is_available()
+    )
     on_cpu = on_cpu and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true"
     if not on_cpu and not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
         # DeepSpeed on CPU (DS_ACCELERATOR=cpu): accelerate finds no backend by itself and
@@ -129,15 +139,22 @@ def train(recipe, target=None, progress: bool = True, restart: bool = False, acc
 
         PartialState(backend="gloo")
     compute_device = "cuda" if torch.cuda.is_available() and not on_cpu else "cpu"
-    accelerator = Accelerator(mixed_precision=_mixed_precision(recipe, target, compute_device),
-                              gradient_accumulation_steps=cfg.grad_accum,
-                              cpu=on_cpu)
+    accelerator = Accelerator(
+        mixed_precision=_mixed_precision(recipe, target, compute_device),
+        gradient_accumulation_steps=cfg.grad_accum,
+        cpu=on_cpu,
+    )
     device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
     paths = recipe.paths
     ckpt_root = paths.checkpoints
     if accelerator.is_main_process:
-        log.info("training on %d process(es), %s, device %s, mixed precision %s", world,
-                 accelerator.distributed_type.name, device, accelerator.mixed_precision)
+        log.info(
+            "training on %d process(es), %s, device %s, mixed precision %s",
+            world,
+            accelerator.distributed_type.name,
+            device,
+            accelerator.mixed_precision,
+        )
     settings = training_settings(recipe, read_prepared_digest(paths.prepared))
     if restart and accelerator.is_main_process:
         clear_run(paths)
@@ -146,35 +163,59 @@ def train(recipe, target=None, progress: bool = True, restart: bool = False, acc
     # it is, a changed one refused, before anything is written.
     latest = latest_checkpoint(ckpt_root)
     if latest is not None and not cfg.resume:
-        raise RerunRefused(f"{ckpt_root} holds checkpoints of an earlier run and train.resume is false: pass "
-                           "--restart to delete them and start anew, or set run_dir to a new directory")
+        raise RerunRefused(
+            f"{ckpt_root} holds checkpoints of an earlier run and train.resume is false: pass "
+            "--restart to delete them and start anew, or set run_dir to a new directory"
+        )
     saved = read_trainer_state(latest) if latest is not None else None
-    finished = saved is not None and saved.total_steps > 0 and saved.step >= saved.total_steps \
+    finished = (
+        saved is not None
+        and saved.total_steps > 0
+        and saved.step >= saved.total_steps
         and (ckpt_root / "final").is_dir()
+    )
     changes = changed_settings(saved.settings, settings) if saved is not None and saved.settings else []
     if saved is not None and not saved.settings:
         log.warning("%s predates recorded settings: resuming without checking the recipe against it", latest)
     if changes and not accept_changes:
         listed = "; ".join(changes)
         if finished:
-            raise RerunRefused(f"{paths.root} finished training ({saved.step} steps) under other settings than "
-                               f"this recipe's ({listed}); nothing was changed. Pass --restart to train anew in "
-                               "this run dir (its checkpoints and head are deleted), or set run_dir to a new one")
-        raise RerunRefused(f"{latest} was trained under other settings than this recipe's ({listed}). Rerun with "
-                           "the recipe it was trained with, pass --accept-changes to continue from step "
-                           f"{saved.step} under the new ones, or --restart to train anew")
+            raise RerunRefused(
+                f"{paths.root} finished training ({saved.step} steps) under other settings than "
+                f"this recipe's ({listed}); nothing was changed. Pass --restart to train anew in "
+                "this run dir (its checkpoints and head are deleted), or set run_dir to a new one"
+            )
+        raise RerunRefused(
+            f"{latest} was trained under other settings than this recipe's ({listed}). Rerun with "
+            "the recipe it was trained with, pass --accept-changes to continue from step "
+            f"{saved.step} under the new ones, or --restart to train anew"
+        )
     if finished and not changes:
         if accelerator.is_main_process:
             log.info("%s finished training at step %d; nothing to do", paths.root, saved.step)
-        return {"is_main_process": accelerator.is_main_process, "step": saved.step,
-                "total_steps": saved.total_steps, "final_dir": str(ckpt_root / "final"), "train": {}, "eval": {},
-                "nonfinite_steps": saved.nonfinite_total, "already_finished": True}
+        return {
+            "is_main_process": accelerator.is_main_process,
+            "step": saved.step,
+            "total_steps": saved.total_steps,
+            "final_dir": str(ckpt_root / "final"),
+            "train": {},
+            "eval": {},
+            "nonfinite_steps": saved.nonfinite_total,
+            "already_finished": True,
+        }
 
     torch.manual_seed(cfg.seed)
     if target is None:
         t = recipe.target
-        target = load_target(t.name_or_path, t.dtype, str(device), t.attn_implementation, t.trust_remote_code,
-                             t.revision, work_rows=cfg.batch_tokens)
+        target = load_target(
+            t.name_or_path,
+            t.dtype,
+            str(device),
+            t.attn_implementation,
+            t.trust_remote_code,
+            t.revision,
+            work_rows=cfg.batch_tokens,
+        )
     target.model.to(device)
     pad_id = getattr(target.tokenizer, "pad_token_id", None) or 0
     freqs_path = paths.prepared / "token_freqs.safetensors"
@@ -184,8 +225,10 @@ def train(recipe, target=None, progress: bool = True, restart: bool = False, acc
     head = head.to(device)
     if cfg.freeze_lm_head:
         if head_cfg.hidden_size != head_cfg.target_hidden_size:
-            raise ValueError("train.freeze_lm_head needs head.hidden_size equal to the target's "
-                             f"({head_cfg.target_hidden_size}): only then is the LM head copied from the target")
+            raise ValueError(
+                "train.freeze_lm_head needs head.hidden_size equal to the target's "
+                f"({head_cfg.target_hidden_size}): only then is the LM head copied from the target"
+            )
         # keeps the target's own output rows: far fewer weights to fit on a small dataset
         head.lm_head.weight.requires_grad_(False)
     features = FeatureSource(target.model, list(head_cfg.aux_layer_ids), frozen_output(target.model), head)
@@ -198,7 +241,9 @@ def train(recipe, target=None, progress: bool = True, restart: bool = False, acc
 
     model = HeadWithLoss(head, loss_function(head_cfg.algorithm), cfg)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.learning_rate, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+    )
     # The scheduler is stepped by hand once per optimizer step (accelerate would step it
     # once per process).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg.warmup_steps, total))
@@ -211,19 +256,29 @@ def train(recipe, target=None, progress: bool = True, restart: bool = False, acc
     state = TrainerState(world_size=world, total_steps=total, settings=settings)
     if latest is not None:
         if finished and total <= saved.step:
-            raise RerunRefused(f"{paths.root} finished training at step {saved.step}; under the changed settings "
-                               f"it would train {total} steps in all, so nothing is left to train. Raise "
-                               "train.max_steps or train.epochs to train on, or pass --restart to train anew")
+            raise RerunRefused(
+                f"{paths.root} finished training at step {saved.step}; under the changed settings "
+                f"it would train {total} steps in all, so nothing is left to train. Raise "
+                "train.max_steps or train.epochs to train on, or pass --restart to train anew"
+            )
         state = load_checkpoint(latest, accelerator, model, optimizer, generator)
         if changes:
             state.changes.append({"step": state.step, "changes": changes})
             if accelerator.is_main_process:
-                log.warning("continuing %s from step %d under changed settings: %s", paths.root, state.step,
-                            "; ".join(changes))
+                log.warning(
+                    "continuing %s from step %d under changed settings: %s",
+                    paths.root,
+                    state.step,
+                    "; ".join(changes),
+                )
         state.total_steps, state.settings = total, settings
         if state.world_size != world:
-            log.warning("%s was written by %d processes, resuming with %d: the data order changes",
-                        latest, state.world_size, world)
+            log.warning(
+                "%s was written by %d processes, resuming with %d: the data order changes",
+                latest,
+                state.world_size,
+                world,
+            )
         scheduler.load_state_dict(state.scheduler)
         stream.position = DataPosition(state.epoch, state.batches)
         if accelerator.is_main_process:
@@ -232,19 +287,29 @@ def train(recipe, target=None, progress: bool = True, restart: bool = False, acc
     if accelerator.is_main_process:  # what this run is trained under, from now on
         paths.root.mkdir(parents=True, exist_ok=True)
         (paths.root / "recipe.yaml").write_text(dump_recipe(recipe))
-    logger = make_logger(cfg.logger, paths.root, recipe.name, recipe.model_dump(mode="json")) \
-        if accelerator.is_main_process else make_logger("none", paths.root)
+    logger = (
+        make_logger(cfg.logger, paths.root, recipe.name, recipe.model_dump(mode="json"))
+        if accelerator.is_main_process
+        else make_logger("none", paths.root)
+    )
 
     def checkpoint() -> Path:
         state.epoch, state.batches = stream.position.epoch, stream.position.batches
         state.scheduler = scheduler.state_dict()
         state.world_size = world
-        return save_checkpoint(ckpt_root, accelerator, model, optimizer, state, generator, cfg.keep_checkpoints)
+        return save_checkpoint(
+            ckpt_root, accelerator, model, optimizer, state, generator, cfg.keep_checkpoints
+        )
 
     meter = AccuracyMeter()
     last_train, last_eval = {}, {}
-    bar = tqdm(total=total, initial=state.step, desc="train", unit="step",
-               disable=not (progress and accelerator.is_main_process))
+    bar = tqdm(
+        total=total,
+        initial=state.step,
+        desc="train",
+        unit="step",
+        disable=not (progress and accelerator.is_main_process),
+    )
     t_window, tokens_window = time.perf_counter(), 0
     saved_at = state.step if latest is not None else -1
     model.train()
@@ -283,14 +348,18 @@ def train(recipe, target=None, progress: bool = True, restart: bool = False, acc
                 state.nonfinite_total += 1
                 state.nonfinite_run += 1
                 logger.log({"train/nonfinite_steps": state.nonfinite_total}, state.step)
-                log.warning("step %d: non-finite loss or gradient, update skipped (%d in a row)", state.step,
-                            state.nonfinite_run)
+                log.warning(
+                    "step %d: non-finite loss or gradient, update skipped (%d in a row)",
+                    state.step,
+                    state.nonfinite_run,
+                )
                 if state.nonfinite_run > cfg.max_nonfinite_steps:
                     where = checkpoint()
                     raise TrainingStopped(
                         f"{state.nonfinite_run} steps in a row had a non-finite loss or gradient (limit "
                         f"train.max_nonfinite_steps={cfg.max_nonfinite_steps}); stopped at step {state.step} "
-                        f"with a checkpoint at {where}. Lower train.learning_rate or check the data/features.")
+                        f"with a checkpoint at {where}. Lower train.learning_rate or check the data/features."
+                    )
             else:
                 state.nonfinite_run = 0
             if state.step % cfg.log_every == 0 or state.step == total:
@@ -300,12 +369,18 @@ def train(recipe, target=None, progress: bool = True, restart: bool = False, acc
                     last_train["train/tokens_per_s"] = tokens_window * world / max(elapsed, 1e-9)
                     last_train["train/lr"] = scheduler.get_last_lr()[0]
                     logger.log(last_train, state.step)
-                    bar.set_postfix(loss=f"{last_train['train/loss']:.3f}",
-                                    acc=f"{last_train.get('train/acc_0', 0):.3f}",
-                                    tok_s=f"{last_train['train/tokens_per_s']:.0f}")
+                    bar.set_postfix(
+                        loss=f"{last_train['train/loss']:.3f}",
+                        acc=f"{last_train.get('train/acc_0', 0):.3f}",
+                        tok_s=f"{last_train['train/tokens_per_s']:.0f}",
+                    )
                 meter.reset()
                 t_window, tokens_window = time.perf_counter(), 0
-            if eval_src is not None and cfg.eval_every > 0 and (state.step % cfg.eval_every == 0 or state.step == total):
+            if (
+                eval_src is not None
+                and cfg.eval_every > 0
+                and (state.step % cfg.eval_every == 0 or state.step == total)
+            ):
                 last_eval = evaluate(accelerator, model, features, recipe, eval_src, pad_id)
                 if last_eval:
                     logger.log(last_eval, state.step)
@@ -319,8 +394,9 @@ def train(recipe, target=None, progress: bool = True, restart: bool = False, acc
             full = accelerator.get_state_dict(model)
             if accelerator.is_main_process:
                 fresh = build_head(head_cfg)
-                fresh.load_state_dict({k[len("head."):]: v for k, v in full.items() if k.startswith("head.")},
-                                      strict=False)
+                fresh.load_state_dict(
+                    {k[len("head.") :]: v for k, v in full.items() if k.startswith("head.")}, strict=False
+                )
                 save_head(fresh, final_dir)
         elif accelerator.is_main_process:
             save_head(accelerator.unwrap_model(model).head, final_dir)
@@ -328,9 +404,16 @@ def train(recipe, target=None, progress: bool = True, restart: bool = False, acc
     finally:
         bar.close()
         logger.close()
-    return {"is_main_process": accelerator.is_main_process, "step": state.step, "total_steps": total,
-            "final_dir": str(ckpt_root / "final"), "train": last_train, "eval": last_eval,
-            "nonfinite_steps": state.nonfinite_total, "settings_changes": state.changes}
+    return {
+        "is_main_process": accelerator.is_main_process,
+        "step": state.step,
+        "total_steps": total,
+        "final_dir": str(ckpt_root / "final"),
+        "train": last_train,
+        "eval": last_eval,
+        "nonfinite_steps": state.nonfinite_total,
+        "settings_changes": state.changes,
+    }
 
 
 def _mixed_precision(recipe, target, device: str) -> str:
@@ -341,8 +424,11 @@ def _mixed_precision(recipe, target, device: str) -> str:
     cfg, t = recipe.train, recipe.target
     shapes = None
     if cfg.mixed_precision == "auto" and device == "cpu":
-        config = target.config if target is not None else load_target_config(t.name_or_path, t.revision,
-                                                                              t.trust_remote_code)
+        config = (
+            target.config
+            if target is not None
+            else load_target_config(t.name_or_path, t.revision, t.trust_remote_code)
+        )
         shapes = shapes_of_config(config, cfg.batch_tokens, recipe.head.draft_vocab_size)
     return resolve_mixed_precision(cfg.mixed_precision, device, shapes)
 

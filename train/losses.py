@@ -30,7 +30,7 @@ class TargetLabels:
     argmax: torch.Tensor
     valid: torch.Tensor
 
-    def shifted(self, offset: int) -> "TargetLabels":
+    def shifted(self, offset: int) -> TargetLabels:
         """Labels for query slot t taken from target slot t + offset (invalid past the end)."""
         if offset == 0:
             return self
@@ -67,7 +67,7 @@ def target_labels(
     draft_logits, argmax = [], []
     weight = lm_head_weight
     for start in range(0, flat.shape[0], chunk_tokens):
-        x = norm(flat[start:start + chunk_tokens].to(weight.dtype))
+        x = norm(flat[start : start + chunk_tokens].to(weight.dtype))
         full = x @ weight.T  # [n, Vt]
         argmax.append(full.argmax(-1))
         draft_logits.append(full[:, draft_ids].float())
@@ -86,7 +86,9 @@ def target_labels(
     return TargetLabels(logits=logits, argmax=torch.where(in_draft, draft_index, -1), valid=nxt_ok & in_draft)
 
 
-def soft_cross_entropy(draft_logits: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def soft_cross_entropy(
+    draft_logits: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
     """Masked mean over valid slots of -sum_v p_target(v) log q_draft(v).
 
     draft_logits / target_logits [B, T, Vd]; valid [B, T] bool. Returns a scalar (0 with a
@@ -105,7 +107,9 @@ def _soft_ce_forward(logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.T
     return -(probs.to(logq.dtype) * logq).sum(-1), logq
 
 
-def _soft_ce_backward(logq: torch.Tensor, probs: torch.Tensor, grad_ce: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _soft_ce_backward(
+    logq: torch.Tensor, probs: torch.Tensor, grad_ce: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """d ce / d logits = (softmax - p) * grad_ce, in the logits' dtype."""
     return ((logq.exp() - probs.to(logq.dtype)) * grad_ce[:, None].to(logq.dtype)).to(dtype)
 
@@ -138,8 +142,11 @@ def _run_kernel(index: int, compiled: bool, *args):
             return _compiled_soft_ce()[index](*args)
         except Exception as err:  # a missing C++ toolchain, an unsupported backend, ...
             _compile_failed.append(f"{type(err).__name__}: {err}")
-            log.warning("torch.compile of the soft cross-entropy failed; running it eagerly "
-                        "(set train.compile_loss=off to skip the attempt): %s", _compile_failed[0][:500])
+            log.warning(
+                "torch.compile of the soft cross-entropy failed; running it eagerly "
+                "(set train.compile_loss=off to skip the attempt): %s",
+                _compile_failed[0][:500],
+            )
     return eager(*args)
 
 
@@ -167,8 +174,9 @@ class _SoftCrossEntropyRows(torch.autograd.Function):
         return _run_kernel(1, ctx.compiled, logq, probs, grad_ce, ctx.logits_dtype), None, None
 
 
-def soft_cross_entropy_rows(logits: torch.Tensor, probs: torch.Tensor,
-                            compile_mode: str = "off") -> tuple[torch.Tensor, torch.Tensor]:
+def soft_cross_entropy_rows(
+    logits: torch.Tensor, probs: torch.Tensor, compile_mode: str = "off"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-Σ_v p(v) log softmax(z)(v) per row, and the draft argmax per row.
 
     logits [N, V] (any float dtype, e.g. bf16 under autocast); probs [N, V] the target
@@ -178,7 +186,9 @@ def soft_cross_entropy_rows(logits: torch.Tensor, probs: torch.Tensor,
     return _SoftCrossEntropyRows.apply(logits, probs, compile_mode)
 
 
-def argmax_accuracy(draft_logits: torch.Tensor, target_argmax: torch.Tensor, valid: torch.Tensor) -> tuple[int, int]:
+def argmax_accuracy(
+    draft_logits: torch.Tensor, target_argmax: torch.Tensor, valid: torch.Tensor
+) -> tuple[int, int]:
     """(hits, count): draft argmax == target argmax over valid slots."""
     hits = ((draft_logits.argmax(-1) == target_argmax) & valid).sum()
     return int(hits), int(valid.sum())

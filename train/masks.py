@@ -30,7 +30,10 @@ def ttt_dense_mask(attention_mask: torch.Tensor, k: int) -> torch.Tensor:
     the step-0 keys followed by the keys of steps 1..k (for SDPA over concatenated keys)."""
     base = causal_padding_mask(attention_mask)
     t = attention_mask.shape[1]
-    diag = torch.eye(t, dtype=torch.bool, device=attention_mask.device)[None, None] & attention_mask.bool()[:, None, :, None]
+    diag = (
+        torch.eye(t, dtype=torch.bool, device=attention_mask.device)[None, None]
+        & attention_mask.bool()[:, None, :, None]
+    )
     return torch.cat([base] + [diag] * k, dim=-1)
 
 
@@ -68,8 +71,15 @@ def peagle_dense_mask(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Ten
     n = anchor.shape[1]
     same = torch.eye(n, dtype=torch.bool, device=anchor.device)[None]
     real = real.bool()
-    allow = peagle_allow(anchor[:, :, None], depth[:, :, None], real[:, :, None],
-                         anchor[:, None, :], depth[:, None, :], real[:, None, :], same)
+    allow = peagle_allow(
+        anchor[:, :, None],
+        depth[:, :, None],
+        real[:, :, None],
+        anchor[:, None, :],
+        depth[:, None, :],
+        real[:, None, :],
+        same,
+    )
     return allow[:, None]
 
 
@@ -78,8 +88,15 @@ def peagle_mask_mod(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tenso
     real = real.bool()
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return peagle_allow(anchor[b, q_idx], depth[b, q_idx], real[b, q_idx],
-                            anchor[b, kv_idx], depth[b, kv_idx], real[b, kv_idx], q_idx == kv_idx)
+        return peagle_allow(
+            anchor[b, q_idx],
+            depth[b, q_idx],
+            real[b, q_idx],
+            anchor[b, kv_idx],
+            depth[b, kv_idx],
+            real[b, kv_idx],
+            q_idx == kv_idx,
+        )
 
     return mask_mod
 

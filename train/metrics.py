@@ -107,8 +107,14 @@ class WandbLogger(Logger):
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "eyas"), name=name, dir=str(run_dir),
-                              config=config, mode=mode, resume="allow")
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "eyas"),
+            name=name,
+            dir=str(run_dir),
+            config=config,
+            mode=mode,
+            resume="allow",
+        )
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log({k: _plain(v) for k, v in metrics.items()}, step=step)

@@ -12,14 +12,25 @@ continue (`--accept-changes`) or to start anew (`--restart`).
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 # train.* keys that say how a run is watched, saved or scheduled on the machine, not
 # what it learns: changing them never makes a resumed run another run.
-OPERATIONAL_TRAIN_KEYS = frozenset({
-    "eval_every", "save_every", "keep_checkpoints", "log_every", "logger", "eval_batches", "resume",
-    "cpu_threads", "num_workers", "compile_loss", "max_nonfinite_steps",
-})
+OPERATIONAL_TRAIN_KEYS = frozenset(
+    {
+        "eval_every",
+        "save_every",
+        "keep_checkpoints",
+        "log_every",
+        "logger",
+        "eval_batches",
+        "resume",
+        "cpu_threads",
+        "num_workers",
+        "compile_loss",
+        "max_nonfinite_steps",
+    }
+)
 
 
 class RerunRefused(ValueError):
@@ -36,7 +47,7 @@ def _flat(prefix: str, tree: dict, out: dict) -> None:
             out[name] = value
 
 
-def training_settings(recipe, data_digest: Optional[str]) -> dict[str, Any]:
+def training_settings(recipe, data_digest: str | None) -> dict[str, Any]:
     """The settings of `recipe` that shape the weights, flat and JSON-ready."""
     tree = recipe.model_dump(mode="json")
     out: dict[str, Any] = {}

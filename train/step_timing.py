@@ -9,8 +9,8 @@ autocast, backward, clipping, AdamW).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -90,8 +90,14 @@ def build_head_step(recipe, target_config, verifier: str, device, rows: int) -> 
 
     def run(batch: dict, later_epoch: bool = False) -> int:
         with torch.no_grad():
-            labels = valid_row_labels(batch["last"], norm, target_lm, batch["loss_mask"], batch["attention_mask"],
-                                      known_valid=known.get(id(batch)) if later_epoch else None)
+            labels = valid_row_labels(
+                batch["last"],
+                norm,
+                target_lm,
+                batch["loss_mask"],
+                batch["attention_mask"],
+                known_valid=known.get(id(batch)) if later_epoch else None,
+            )
         known.setdefault(id(batch), labels.valid)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16"):
             stats = loss_fn(head, batch, labels, cfg, step_gen)
@@ -101,8 +107,14 @@ def build_head_step(recipe, target_config, verifier: str, device, rows: int) -> 
         opt.zero_grad(set_to_none=True)
         return int(stats.tokens)
 
-    return HeadStep(run, head_cfg, sum(p.numel() for p in head.parameters()), target_dtype, mixed_precision,
-                    len(head_cfg.aux_layer_ids) * ht)
+    return HeadStep(
+        run,
+        head_cfg,
+        sum(p.numel() for p in head.parameters()),
+        target_dtype,
+        mixed_precision,
+        len(head_cfg.aux_layer_ids) * ht,
+    )
 
 
 @dataclass
@@ -115,14 +127,19 @@ class StepTimes:
     warmup: list
 
 
-def time_head_steps(step: HeadStep, target_config, batch_size: int, seq: int, device, steps: int = 3,
-                    warmup: int = 2) -> StepTimes:
+def time_head_steps(
+    step: HeadStep, target_config, batch_size: int, seq: int, device, steps: int = 3, warmup: int = 2
+) -> StepTimes:
     """Times `warmup` untimed steps, then `steps` first-epoch and `steps` later-epoch steps,
     on [batch_size, seq] synthetic batches."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(1)
-    batches = [synthetic_batch(batch_size, seq, target_config.vocab_size, step.aux_width,
-                               target_config.hidden_size, device, gen) for _ in range(2)]
+    batches = [
+        synthetic_batch(
+            batch_size, seq, target_config.vocab_size, step.aux_width, target_config.hidden_size, device, gen
+        )
+        for _ in range(2)
+    ]
 
     def timed(i: int, later: bool) -> float:
         if device.type == "cuda":
@@ -134,5 +151,8 @@ def time_head_steps(step: HeadStep, target_config, batch_size: int, seq: int, de
         return time.perf_counter() - t0
 
     warm = [timed(i, False) for i in range(max(warmup, 2))]  # both batches seen: later epochs can run
-    return StepTimes(first_epoch=[timed(i, False) for i in range(steps)],
-                     later_epoch=[timed(i, True) for i in range(steps)], warmup=warm)
+    return StepTimes(
+        first_epoch=[timed(i, False) for i in range(steps)],
+        later_epoch=[timed(i, True) for i in range(steps)],
+        warmup=warm,
+    )

@@ -8,8 +8,12 @@ import sys
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", "-r", help="YAML recipe (recipes/*.yaml); defaults apply when omitted")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                        help="recipe overrides, e.g. train.learning_rate=2e-4 run_dir=runs/x")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key.sub=value",
+        help="recipe overrides, e.g. train.learning_rate=2e-4 run_dir=runs/x",
+    )
 
 
 def load_recipe_from_args(args: argparse.Namespace, writes: str | None = None):

@@ -28,24 +28,45 @@ ROOT_VENV_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_recipe_arguments(parser)
-    parser.add_argument("--target", help="target model directory or Hub id (default: recipe target.name_or_path)")
-    parser.add_argument("--head", action="append", default=[], metavar="[NAME=]HEAD",
-                        help="a head directory or Hub id to serve (repeatable; default: run_dir/export when it exists)")
+    parser.add_argument(
+        "--target", help="target model directory or Hub id (default: recipe target.name_or_path)"
+    )
+    parser.add_argument(
+        "--head",
+        action="append",
+        default=[],
+        metavar="[NAME=]HEAD",
+        help="a head directory or Hub id to serve (repeatable; default: run_dir/export when it exists)",
+    )
     parser.add_argument("--no-ngram", action="store_true", help="leave vLLM's n-gram drafter out")
-    parser.add_argument("--workload", help="mtbench, a .json/.jsonl file or a dataset (default: eval.workload)")
+    parser.add_argument(
+        "--workload", help="mtbench, a .json/.jsonl file or a dataset (default: eval.workload)"
+    )
     parser.add_argument("--max-prompts", type=int, help="evenly spaced subset of the workload's first turns")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument("--k", default="3,5,7", help="draft tokens per step, comma list")
     parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="requests in flight, comma list")
-    parser.add_argument("--temperatures", default="0,0.7", help="comma list; 0 is greedy and checks losslessness")
-    parser.add_argument("--vllm-python", help="the Python of the vLLM install (default: .venv-vllm/bin/python "
-                        "when it exists, else this interpreter)")
+    parser.add_argument(
+        "--temperatures", default="0,0.7", help="comma list; 0 is greedy and checks losslessness"
+    )
+    parser.add_argument(
+        "--vllm-python",
+        help="the Python of the vLLM install (default: .venv-vllm/bin/python "
+        "when it exists, else this interpreter)",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--port", type=int, default=18300, help="127.0.0.1 port of the engine")
-    parser.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
-                        help="extra argument for `vllm serve` (repeatable, e.g. --engine-arg=--enforce-eager)")
-    parser.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds an engine may take to start")
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for `vllm serve` (repeatable, e.g. --engine-arg=--enforce-eager)",
+    )
+    parser.add_argument(
+        "--startup-timeout", type=float, default=1800.0, help="seconds an engine may take to start"
+    )
     parser.add_argument("--ngram-min", type=int, help="default: eval.ngram_min")
     parser.add_argument("--ngram-max", type=int, help="default: eval.ngram_max")
     parser.add_argument("--out", help="output directory (default: run_dir/bench_serve)")
@@ -74,13 +95,17 @@ def _heads(specs: list[str], default_export: Path) -> list[tuple[str, str]]:
         if not sep or "/" in name or not name:
             name, head = ("head" if i == 0 else f"head{i + 1}"), spec
         if name in seen:
-            raise SystemExit(f"eyas bench-serve: --head name {name!r} is used twice or names a built-in drafter")
+            raise SystemExit(
+                f"eyas bench-serve: --head name {name!r} is used twice or names a built-in drafter"
+            )
         seen.add(name)
         out.append((name, head))
     return out
 
 
-def first_turn_prompts(target: str, workload: str, max_prompts, trust_remote_code: bool = False) -> list[list[int]]:
+def first_turn_prompts(
+    target: str, workload: str, max_prompts, trust_remote_code: bool = False
+) -> list[list[int]]:
     """The workload's first user turns, rendered with the target's chat template."""
     from eyas.data.targets import load_tokenizer
     from eyas.eval.workloads import load_workload, render_turn
@@ -106,20 +131,39 @@ def run(args: argparse.Namespace) -> int:
     target = resolve_target_path(args.target or recipe.target.name_or_path)
     drafters = [B.Drafter("plain", "plain")]
     if not args.no_ngram:
-        drafters.append(B.Drafter("ngram", "ngram", ngram_min=args.ngram_min or ev.ngram_min,
-                                  ngram_max=args.ngram_max or ev.ngram_max))
+        drafters.append(
+            B.Drafter(
+                "ngram",
+                "ngram",
+                ngram_min=args.ngram_min or ev.ngram_min,
+                ngram_max=args.ngram_max or ev.ngram_max,
+            )
+        )
     try:
         for name, spec in _heads(args.head, recipe.paths.export):
             drafters.append(B.head_drafter(name, str(fetch_head(spec))))
-        prompts = first_turn_prompts(target, args.workload or ev.workload, args.max_prompts,
-                                     recipe.target.trust_remote_code)
+        prompts = first_turn_prompts(
+            target, args.workload or ev.workload, args.max_prompts, recipe.target.trust_remote_code
+        )
     except (B.BenchError, ExportFormatError, WorkloadError) as err:
         raise SystemExit(f"eyas bench-serve: {err}") from None
     python = args.vllm_python or (str(ROOT_VENV_PYTHON) if ROOT_VENV_PYTHON.is_file() else sys.executable)
-    settings = B.BenchSettings(target=target, drafters=drafters, prompts=prompts, workload=args.workload or ev.workload,
-                               ks=ks, concurrency=conc, temperatures=temps, max_tokens=args.max_tokens,
-                               vllm_python=python, dtype=args.dtype, max_model_len=args.max_model_len, port=args.port,
-                               engine_args=list(args.engine_arg), startup_timeout_s=args.startup_timeout)
+    settings = B.BenchSettings(
+        target=target,
+        drafters=drafters,
+        prompts=prompts,
+        workload=args.workload or ev.workload,
+        ks=ks,
+        concurrency=conc,
+        temperatures=temps,
+        max_tokens=args.max_tokens,
+        vllm_python=python,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        port=args.port,
+        engine_args=list(args.engine_arg),
+        startup_timeout_s=args.startup_timeout,
+    )
     out = Path(args.out) if args.out else recipe.paths.bench_serve
     if args.fresh:
         (out / B.POINTS_NAME).unlink(missing_ok=True)
@@ -132,8 +176,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(B.format_report(report))
     print(f"wrote {out / B.REPORT_NAME}, {out / B.PLOT_NAME}", file=sys.stderr)
-    lossy = [f"{name} K={k}: {v['identical']}/{v['compared']}" for name, by_k in report["lossless"].items()
-             for k, v in by_k.items() if v["identical"] != v["compared"]]
+    lossy = [
+        f"{name} K={k}: {v['identical']}/{v['compared']}"
+        for name, by_k in report["lossless"].items()
+        for k, v in by_k.items()
+        if v["identical"] != v["compared"]
+    ]
     if lossy:
         print("greedy outputs that differ from plain decoding: " + ", ".join(lossy), file=sys.stderr)
     return 0

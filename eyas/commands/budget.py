@@ -27,11 +27,21 @@ from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_recipe_arguments(parser)
-    parser.add_argument("--budget", default="30m", help="the whole run's time, e.g. 30m, 1.5h, 90s (default 30m)")
-    parser.add_argument("--spent", type=float, default=0.0, metavar="SECONDS",
-                        help="seconds of the budget already spent (setting up)")
-    parser.add_argument("--report", action="store_true",
-                        help="the overrides are stage=seconds: print them against the sizing's estimates")
+    parser.add_argument(
+        "--budget", default="30m", help="the whole run's time, e.g. 30m, 1.5h, 90s (default 30m)"
+    )
+    parser.add_argument(
+        "--spent",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="seconds of the budget already spent (setting up)",
+    )
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="the overrides are stage=seconds: print them against the sizing's estimates",
+    )
     parser.add_argument("--json", action="store_true", help="print the sizing (or the report's rows) as JSON")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -90,7 +100,9 @@ def _report(args: argparse.Namespace, budget_s: float) -> int:
     from eyas.recipe import load_recipe
 
     took, overrides = {}, []
-    for item in args.overrides:  # stage=seconds, or a recipe override (run_dir=...) saying where budget.json is
+    for (
+        item
+    ) in args.overrides:  # stage=seconds, or a recipe override (run_dir=...) saying where budget.json is
         key, _, value = item.partition("=")
         if "." not in key and key not in ("run_dir", "name") and value.replace(".", "", 1).isdigit():
             took[key] = float(value)

@@ -8,7 +8,8 @@ published one) and exits non-zero listing every problem.
 
 examples:
   eyas export -r recipes/smollm2-135m-eagle3.yaml
-  eyas export --checkpoint runs/x/checkpoints/final --out heads/x --verifier HuggingFaceTB/SmolLM2-135M-Instruct
+  eyas export --checkpoint runs/x/checkpoints/final --out heads/x \
+      --verifier HuggingFaceTB/SmolLM2-135M-Instruct
   eyas export --checkpoint C --out D --format eagle --dtype float16
   eyas export --check heads/x
 """
@@ -27,16 +28,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_recipe_arguments(parser)
     parser.add_argument("--checkpoint", "-c", help="eyas head dir (default: run_dir/checkpoints/final)")
     parser.add_argument("--out", "-o", help="output directory (default: run_dir/export)")
-    parser.add_argument("--format", choices=("speculators", "eagle"), default=None,
-                        help="speculators (default; what vLLM reads natively) or the original EAGLE-3 layout")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
-                        help="dtype of the exported weights (d2t stays int64, t2d bool)")
-    parser.add_argument("--verifier", help="the target's Hub id written as verifier name_or_path "
-                        "(default: the one the head was trained with)")
-    parser.add_argument("--check", metavar="DIR", help="only validate an existing head (a directory or a Hub id: "
-                        "an eyas export or a published head in the speculators or EAGLE-3 layout) and exit")
-    parser.add_argument("--target", help="with --check: the verifier (local dir, alias or cached Hub id) whose "
-                        "config the head must agree with (default: the one the head names, when it is on this machine)")
+    parser.add_argument(
+        "--format",
+        choices=("speculators", "eagle"),
+        default=None,
+        help="speculators (default; what vLLM reads natively) or the original EAGLE-3 layout",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default="bfloat16",
+        help="dtype of the exported weights (d2t stays int64, t2d bool)",
+    )
+    parser.add_argument(
+        "--verifier",
+        help="the target's Hub id written as verifier name_or_path "
+        "(default: the one the head was trained with)",
+    )
+    parser.add_argument(
+        "--check",
+        metavar="DIR",
+        help="only validate an existing head (a directory or a Hub id: "
+        "an eyas export or a published head in the speculators or EAGLE-3 layout) and exit",
+    )
+    parser.add_argument(
+        "--target",
+        help="with --check: the verifier (local dir, alias or cached Hub id) whose "
+        "config the head must agree with (default: the one the head names, when it is on this machine)",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -128,8 +147,17 @@ def run(args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"verifier_name_or_path": verifier})
     command = serve_command(out_dir.resolve(), cfg)
     if args.json:
-        print(json.dumps({"dir": str(out_dir), "format": fmt, "ok": not problems, "problems": problems,
-                          "serve": command}))
+        print(
+            json.dumps(
+                {
+                    "dir": str(out_dir),
+                    "format": fmt,
+                    "ok": not problems,
+                    "problems": problems,
+                    "serve": command,
+                }
+            )
+        )
     else:
         if problems:
             _print_problems(f"eyas export: the export in {out_dir} breaks the serving contract:", problems)

@@ -9,7 +9,8 @@ printed.
   eyas plan --report runs/x/eval/eval_report.json --hardware H200 --target-params llama-3.1-8b
   eyas plan --acceptance 0.8,0.75,0.7 --hardware B200 --target-params gpt-oss-20b --compare
   eyas plan --calibrate runs/x/bench_serve/bench_serve.json      # fit the hardware terms to a measurement
-  eyas plan --hardware runs/x/bench_serve/hardware-calibrated.json --target-params smollm2-135m --acceptance ...
+  eyas plan --hardware runs/x/bench_serve/hardware-calibrated.json --target-params smollm2-135m \
+      --acceptance ...
 
 With --calibrate, the planner's hardware terms are fitted to an `eyas bench-serve`
 report: the fit error per point, the prediction of held-out points (every second interior
@@ -30,24 +31,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from eyas.eval.planner import HARDWARE, TARGETS
 
     add_recipe_arguments(parser)
-    parser.add_argument("--report", help="eval_report.json from `eyas eval` (default: run_dir/eval/eval_report.json)")
+    parser.add_argument(
+        "--report", help="eval_report.json from `eyas eval` (default: run_dir/eval/eval_report.json)"
+    )
     parser.add_argument("--acceptance", help="per-position acceptance a_1,a_2,... instead of a report")
-    parser.add_argument("--hardware", default="H200",
-                        help=f"one of {', '.join(HARDWARE)}, or a JSON profile written by --calibrate")
-    parser.add_argument("--calibrate", metavar="BENCH.json", help="fit the hardware terms to an `eyas bench-serve` report")
-    parser.add_argument("--holdout-concurrency", help="with --calibrate: concurrencies left out of the fit (comma list)")
+    parser.add_argument(
+        "--hardware",
+        default="H200",
+        help=f"one of {', '.join(HARDWARE)}, or a JSON profile written by --calibrate",
+    )
+    parser.add_argument(
+        "--calibrate", metavar="BENCH.json", help="fit the hardware terms to an `eyas bench-serve` report"
+    )
+    parser.add_argument(
+        "--holdout-concurrency", help="with --calibrate: concurrencies left out of the fit (comma list)"
+    )
     parser.add_argument("--holdout-k", help="with --calibrate: K values left out of the fit (comma list)")
-    parser.add_argument("--save-hardware", help="with --calibrate: where the profile goes (default: next to the report)")
-    parser.add_argument("--target-params",
-                        help=f"one of {', '.join(TARGETS)}, or key=value sizes (total_params=8e9,num_layers=32,...)")
+    parser.add_argument(
+        "--save-hardware", help="with --calibrate: where the profile goes (default: next to the report)"
+    )
+    parser.add_argument(
+        "--target-params",
+        help=f"one of {', '.join(TARGETS)}, or key=value sizes (total_params=8e9,num_layers=32,...)",
+    )
     parser.add_argument("--algorithm", choices=["eagle3", "peagle"], help="default: the report's head")
-    parser.add_argument("--compare", action="store_true", help="plan EAGLE-3 (K chained passes) and P-EAGLE (one pass) side by side")
-    parser.add_argument("--head-layers", type=int, help="draft head layers (default: 1 for EAGLE-3, 4 for P-EAGLE)")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="plan EAGLE-3 (K chained passes) and P-EAGLE (one pass) side by side",
+    )
+    parser.add_argument(
+        "--head-layers", type=int, help="draft head layers (default: 1 for EAGLE-3, 4 for P-EAGLE)"
+    )
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--context", type=int, default=2048, help="mean tokens in each sequence's KV cache")
     parser.add_argument("--max-k", type=int, default=8)
     parser.add_argument("--concurrency", help="comma list (default 1,2,4,...,512)")
-    parser.add_argument("--serve-concurrency", type=int, default=1, help="the concurrency the printed config is for")
+    parser.add_argument(
+        "--serve-concurrency", type=int, default=1, help="the concurrency the printed config is for"
+    )
     parser.add_argument("--layer-latency-us", type=float, help="override the per-layer latency floor")
     parser.add_argument("--pass-overhead-us", type=float, help="override the per-pass fixed overhead")
     parser.add_argument("--out", help="PNG/JSON directory (default: run_dir/eval)")
@@ -60,7 +82,9 @@ def _acceptance(args, recipe) -> tuple[list[float], str | None, str, str | None]
         try:
             rates = [float(x) for x in args.acceptance.split(",")]
         except ValueError:
-            raise SystemExit(f"eyas plan: --acceptance {args.acceptance!r}: expected numbers a1,a2,...") from None
+            raise SystemExit(
+                f"eyas plan: --acceptance {args.acceptance!r}: expected numbers a1,a2,..."
+            ) from None
         return _checked_rates(rates, "--acceptance"), None, "--acceptance", None
     path = Path(args.report) if args.report else recipe.paths.eval / "eval_report.json"
     if not path.is_file():
@@ -68,7 +92,9 @@ def _acceptance(args, recipe) -> tuple[list[float], str | None, str, str | None]
     try:
         report = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise SystemExit(f"eyas plan: {path} is not a JSON eval report ({err}); run `eyas eval` again") from None
+        raise SystemExit(
+            f"eyas plan: {path} is not a JSON eval report ({err}); run `eyas eval` again"
+        ) from None
     head = report.get("drafters", {}).get("head") if isinstance(report, dict) else None
     if not head or not head.get("per_position_acceptance"):
         raise SystemExit(f"eyas plan: {path} holds no head acceptance (was eval run without --head?)")
@@ -80,7 +106,9 @@ def _checked_rates(rates: list, source: str) -> list[float]:
     """Acceptance rates are probabilities: anything outside [0, 1] is a typo or a damaged report."""
     bad = [r for r in rates if not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0]
     if bad or not rates:
-        raise SystemExit(f"eyas plan: {source}: per-position acceptances must be numbers in [0, 1], got {rates}")
+        raise SystemExit(
+            f"eyas plan: {source}: per-position acceptances must be numbers in [0, 1], got {rates}"
+        )
     return [float(r) for r in rates]
 
 
@@ -88,9 +116,13 @@ def _check_flags(args) -> list[int]:
     """The numeric flags in range (SystemExit naming the flag); returns the concurrencies."""
     from eyas.recipe import MAX_K
 
-    for flag, value, low in (("--max-k", args.max_k, 1), ("--context", args.context, 1),
-                             ("--draft-vocab", args.draft_vocab, 1), ("--head-layers", args.head_layers, 1),
-                             ("--serve-concurrency", args.serve_concurrency, 1)):
+    for flag, value, low in (
+        ("--max-k", args.max_k, 1),
+        ("--context", args.context, 1),
+        ("--draft-vocab", args.draft_vocab, 1),
+        ("--head-layers", args.head_layers, 1),
+        ("--serve-concurrency", args.serve_concurrency, 1),
+    ):
         if value is not None and value < low:
             raise SystemExit(f"eyas plan: {flag} must be at least {low}, got {value}")
     if args.max_k > MAX_K:
@@ -100,7 +132,9 @@ def _check_flags(args) -> list[int]:
     try:
         conc = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
-        raise SystemExit(f"eyas plan: --concurrency {args.concurrency!r}: expected whole numbers b1,b2,...") from None
+        raise SystemExit(
+            f"eyas plan: --concurrency {args.concurrency!r}: expected whole numbers b1,b2,..."
+        ) from None
     if any(c < 1 for c in conc):
         raise SystemExit(f"eyas plan: --concurrency values must be at least 1, got {args.concurrency}")
     return conc
@@ -122,7 +156,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     try:
         report = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise SystemExit(f"eyas plan: --calibrate {path}: not a readable bench-serve report ({err})") from None
+        raise SystemExit(
+            f"eyas plan: --calibrate {path}: not a readable bench-serve report ({err})"
+        ) from None
     if not isinstance(report, dict) or report.get("kind") != "eyas bench-serve":
         raise SystemExit(f"eyas plan: --calibrate {path}: not an `eyas bench-serve` report")
     held_k = _ints("--holdout-k", args.holdout_k)
@@ -136,8 +172,18 @@ def run_calibrate(args: argparse.Namespace) -> int:
     out = Path(args.save_hardware) if args.save_hardware else path.parent / "hardware-calibrated.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     body = cal.as_dict()
-    out.write_text(json.dumps({"hardware": body["hardware"], "calibrated_from": str(path), "target": body["target"],
-                               "max_heldout_error": cal.max_heldout_error}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "hardware": body["hardware"],
+                "calibrated_from": str(path),
+                "target": body["target"],
+                "max_heldout_error": cal.max_heldout_error,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     if args.json:
         print(json.dumps({**body, "profile": str(out), "holdout_concurrency": held_c, "holdout_k": held_k}))
         return 0
@@ -153,7 +199,9 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         return run_calibrate(args)
     if not args.target_params:
-        raise SystemExit("eyas plan: --target-params is required (a name or key=value sizes), unless --calibrate")
+        raise SystemExit(
+            "eyas plan: --target-params is required (a name or key=value sizes), unless --calibrate"
+        )
     given_conc = _check_flags(args)
     recipe = load_recipe_from_args(args)
     rates, report_alg, source, head_dir = _acceptance(args, recipe)
@@ -161,9 +209,11 @@ def run(args: argparse.Namespace) -> int:
         base_hw = P.load_hardware(args.hardware)
     except ValueError as err:
         raise SystemExit(f"eyas plan: {err}") from None
-    hw = P.with_overrides(base_hw,
-                          layer_latency=args.layer_latency_us * 1e-6 if args.layer_latency_us is not None else None,
-                          pass_overhead=args.pass_overhead_us * 1e-6 if args.pass_overhead_us is not None else None)
+    hw = P.with_overrides(
+        base_hw,
+        layer_latency=args.layer_latency_us * 1e-6 if args.layer_latency_us is not None else None,
+        pass_overhead=args.pass_overhead_us * 1e-6 if args.pass_overhead_us is not None else None,
+    )
     try:
         target = P.parse_target(args.target_params)
     except ValueError as err:
@@ -186,17 +236,36 @@ def run(args: argparse.Namespace) -> int:
     from eyas.eval.advice import advise, format_advice
     from eyas.eval.bench_report import vllm_serve_command
 
-    table = {alg: {str(k): {str(b): p.speedup[b][k] for b in p.concurrency} for k in p.ks} for alg, p in plans.items()}
-    commands = {alg: {str(k): vllm_serve_command("<target>", {**configs[alg], "num_speculative_tokens": k}) for k in p.ks}
-                for alg, p in plans.items()}
+    table = {
+        alg: {str(k): {str(b): p.speedup[b][k] for b in p.concurrency} for k in p.ks}
+        for alg, p in plans.items()
+    }
+    commands = {
+        alg: {
+            str(k): vllm_serve_command("<target>", {**configs[alg], "num_speculative_tokens": k})
+            for k in p.ks
+        }
+        for alg, p in plans.items()
+    }
     # TAR at the K served at the lowest concurrency: (E_K - 1) / K
-    tars = {alg: (expected_tokens_per_step(p.acceptance[:p.best_k[conc[0]]]) - 1) / p.best_k[conc[0]]
-            for alg, p in plans.items()}
+    tars = {
+        alg: (expected_tokens_per_step(p.acceptance[: p.best_k[conc[0]]]) - 1) / p.best_k[conc[0]]
+        for alg, p in plans.items()
+    }
     advice = advise(table, tars, commands)
     if args.json:
         body = json.loads(P.dumps(plans))
-        print(json.dumps({"acceptance_source": source, "plans": body, "speculative_config": configs,
-                          "recommendation": advice}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "acceptance_source": source,
+                    "plans": body,
+                    "speculative_config": configs,
+                    "recommendation": advice,
+                },
+                indent=2,
+            )
+        )
         return 0
     print(f"inputs: acceptance from {source}")
     for alg, p in plans.items():
@@ -207,8 +276,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"--speculative-config '{json.dumps(configs[alg])}'   (best K at concurrency {serve_at})")
     if len(plans) == 2:
         pe, e3 = plans["peagle"], plans["eagle3"]
-        ratio = ", ".join(f"{b}: {pe.speedup[b][pe.best_k[b]] / e3.speedup[b][e3.best_k[b]]:.2f}x" for b in conc)
-        same = ", ".join(f"{b}: {pe.speedup[b][args.max_k - 1] / e3.speedup[b][args.max_k - 1]:.2f}x" for b in conc)
+        ratio = ", ".join(
+            f"{b}: {pe.speedup[b][pe.best_k[b]] / e3.speedup[b][e3.best_k[b]]:.2f}x" for b in conc
+        )
+        same = ", ".join(
+            f"{b}: {pe.speedup[b][args.max_k - 1] / e3.speedup[b][args.max_k - 1]:.2f}x" for b in conc
+        )
         print(f"\nP-EAGLE over EAGLE-3 (best K each, same acceptance): {ratio}")
         print(f"P-EAGLE over EAGLE-3 at K={args.max_k - 1} (same acceptance): {same}")
     print("\n" + format_advice(advice))

@@ -12,7 +12,7 @@ split's conversations, a workload for `eyas eval --workload`).
 
 examples:
   eyas prepare run_dir=runs/smol data.sources=[sharegpt] data.max_samples=2000
-  eyas prepare -r recipes/smollm2_eagle3.yaml data.train_on=last data.max_length=1024
+  eyas prepare -r recipes/smollm2-135m-eagle3.yaml data.train_on=last data.max_length=1024
   eyas prepare -r R data.regenerate.enabled=true data.regenerate.max_new_tokens=128
 """
 
@@ -42,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     out = recipe.paths.prepared
     print(json.dumps(meta["drop_report"], indent=1))
-    print(f"prepared {meta['train']} train / {meta['eval']} eval samples "
-          f"({meta['masked_train_tokens']} trained tokens) in {out}")
+    print(
+        f"prepared {meta['train']} train / {meta['eval']} eval samples "
+        f"({meta['masked_train_tokens']} trained tokens) in {out}"
+    )
     return 0

@@ -5,7 +5,8 @@ validated first. The token comes from HF_TOKEN or `hf auth login`; it is never p
 
 examples:
   eyas push runs/x/export --repo-id my-org/smollm2-135m-eagle3 --dry-run
-  eyas push runs/x/export --repo-id my-org/smollm2-135m-eagle3 --private --eval-report runs/x/eval/eval_report.json
+  eyas push runs/x/export --repo-id my-org/smollm2-135m-eagle3 --private \
+      --eval-report runs/x/eval/eval_report.json
   eyas push -r recipes/smollm2-135m-eagle3.yaml          (dir = run_dir/export, repo = export.repo_id)
 """
 
@@ -15,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
+from eyas.commands._common import load_recipe_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--private", action="store_true", default=None, help="create the repo private")
     parser.add_argument("--revision", help="branch to push to (created when missing)")
     parser.add_argument("--eval-report", help="eval report JSON for the card (default: DIR/eval_report.json)")
-    parser.add_argument("--dry-run", action="store_true", help="show what would be uploaded and the card; upload nothing")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="show what would be uploaded and the card; upload nothing"
+    )
     parser.add_argument("overrides", nargs="*", default=[], metavar="key.sub=value", help=argparse.SUPPRESS)
 
 
@@ -51,8 +54,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"  - {p}", file=sys.stderr)
         return 1
     try:
-        plan = plan_push(head_dir, repo_id, private=bool(private), revision=args.revision,
-                         eval_report=args.eval_report)
+        plan = plan_push(
+            head_dir, repo_id, private=bool(private), revision=args.revision, eval_report=args.eval_report
+        )
     except (PushError, ValueError, FileNotFoundError) as err:
         print(f"eyas push: {err}", file=sys.stderr)
         return 1

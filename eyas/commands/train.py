@@ -31,12 +31,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_recipe_arguments(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--json", action="store_true", help="print the run summary as JSON")
-    parser.add_argument("--restart", action="store_true",
-                        help="delete this run dir's checkpoints, head and metrics and train anew (the prepared "
-                             "data and the cache stay)")
-    parser.add_argument("--accept-changes", action="store_true",
-                        help="resume a run whose recipe changed since its last checkpoint; the new settings "
-                             "apply from that step on (without it such a rerun is refused, naming the keys)")
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="delete this run dir's checkpoints, head and metrics and train anew (the prepared "
+        "data and the cache stay)",
+    )
+    parser.add_argument(
+        "--accept-changes",
+        action="store_true",
+        help="resume a run whose recipe changed since its last checkpoint; the new settings "
+        "apply from that step on (without it such a rerun is refused, naming the keys)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,8 +51,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     recipe = load_recipe_from_args(args, writes="train")
     try:
-        summary = train(recipe, progress=not args.no_progress, restart=args.restart,
-                        accept_changes=args.accept_changes)
+        summary = train(
+            recipe, progress=not args.no_progress, restart=args.restart, accept_changes=args.accept_changes
+        )
     except TrainingStopped as err:
         print(f"eyas train: {err}", file=sys.stderr)
         return 1
@@ -58,8 +65,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     elif summary.get("already_finished"):
-        print(f"eyas train: {recipe.paths.root} finished training at step {summary['step']}; nothing to do "
-              f"(head in {summary['final_dir']}; --restart trains anew)")
+        print(
+            f"eyas train: {recipe.paths.root} finished training at step {summary['step']}; nothing to do "
+            f"(head in {summary['final_dir']}; --restart trains anew)"
+        )
     else:
         ev = summary["eval"]
         extra = f", eval acceptance length {ev['eval/accept_len']:.2f}" if "eval/accept_len" in ev else ""

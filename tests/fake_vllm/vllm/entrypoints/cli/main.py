@@ -57,7 +57,9 @@ def _generate(handler, body, spec):
             chunk = {"choices": [{"index": 0, "text": text}]}
             handler.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
         usage = {"prompt_tokens": len(prompt), "completion_tokens": made}
-        handler.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        handler.wfile.write(
+            f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode()
+        )
     finally:
         with STATE["lock"]:
             STATE["active"] -= 1
@@ -65,17 +67,23 @@ def _generate(handler, body, spec):
 
 def _metrics() -> str:
     lab = 'engine="0",model_name="target"'
-    lines = [f"vllm:spec_decode_num_drafts_total{{{lab}}} {float(STATE['drafts'])}",
-             f"vllm:spec_decode_num_draft_tokens_total{{{lab}}} {float(STATE['draft_tokens'])}",
-             f"vllm:spec_decode_num_accepted_tokens_total{{{lab}}} {float(STATE['accepted'])}"]
-    lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{i}"}} {float(v)}'
-              for i, v in enumerate(STATE["per_pos"])]
+    lines = [
+        f"vllm:spec_decode_num_drafts_total{{{lab}}} {float(STATE['drafts'])}",
+        f"vllm:spec_decode_num_draft_tokens_total{{{lab}}} {float(STATE['draft_tokens'])}",
+        f"vllm:spec_decode_num_accepted_tokens_total{{{lab}}} {float(STATE['accepted'])}",
+    ]
+    lines += [
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{i}"}} {float(v)}'
+        for i, v in enumerate(STATE["per_pos"])
+    ]
     return "\n".join(lines) + "\n"
 
 
 def serve(args):
     port = int(args[args.index("--port") + 1])
-    spec = json.loads(args[args.index("--speculative-config") + 1]) if "--speculative-config" in args else None
+    spec = (
+        json.loads(args[args.index("--speculative-config") + 1]) if "--speculative-config" in args else None
+    )
     if os.environ.get("FAKE_VLLM_STARTS"):
         with open(os.environ["FAKE_VLLM_STARTS"], "a") as f:
             f.write(json.dumps(args) + "\n")
