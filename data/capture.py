@@ -294,3 +294,90 @@ def capture_split(
     manifest["complete"] = True
     write_manifest(out_dir, manifest)
     return manifest
+
+
+def capture(
+    recipe,
+    splits: Sequence[str] = ("train", "eval"),
+    overwrite: bool = False,
+    target=None,
+    progress: bool = True,
+    say: Callable[[str], None] = log.info,
+) -> dict[str, dict]:
+    """The capture stage for a recipe (DESIGN §2.3): every prepared split of `splits` into
+    run_dir/cache/<split>; returns {split: manifest} ({} with data.features=online).
+
+    `target` may be passed in (tests, notebooks; a `LoadedTarget`); otherwise it is loaded
+    from `recipe.target`. `overwrite` deletes an existing cache of other data first. States
+    the regeneration kept (prepared/fed_states) are copied where the tokens match, and
+    their directory is removed once every prepared split is captured."""
+    from eyas.data.fed_states import FED_STATES_DIR, FedStates, fed_state_layer_ids
+    from eyas.data.prepare import load_prepared, read_prepared_digest
+    from eyas.data.targets import default_aux_layer_ids, load_target
+
+    if recipe.data.features == "online":
+        say("capture: data.features=online: the trainer computes the features itself; nothing to capture")
+        return {}
+    prepared, cache = recipe.paths.prepared, recipe.paths.cache
+    if not (prepared / "dataset").is_dir():
+        raise CaptureError(f"no prepared data at {prepared}; run `eyas prepare` first")
+    dd = load_prepared(prepared)
+    splits = [s for s in splits if s in dd]  # an empty eval split is not written
+    t = recipe.target
+    if target is None:
+        target = load_target(
+            t.name_or_path,
+            t.dtype,
+            t.device,
+            t.attn_implementation,
+            t.trust_remote_code,
+            t.revision,
+            work_rows=recipe.data.capture_batch_tokens,
+        )
+    aux_ids = list(recipe.data.aux_layer_ids or default_aux_layer_ids(target.num_layers))
+    bpt = bytes_per_token(len(aux_ids), target.hidden_size, recipe.data.cache_dtype)
+    total = sum(len(x) for s in splits for x in dd[s]["input_ids"])
+    say(
+        f"capture: aux layers {aux_ids}, {recipe.data.cache_dtype} cache, {bpt} bytes/token x {total} "
+        f"tokens = {bpt * total / 1e9:.3f} GB estimated, into {cache}"
+    )
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    fed_dir = prepared / FED_STATES_DIR
+    fed = None
+    if fed_dir.is_dir():
+        fed = FedStates(fed_dir, fed_state_layer_ids(aux_ids, target.num_layers), t.name_or_path)
+        say(
+            f"capture: {fed_dir} holds the regeneration's states of {len(fed)} conversations; "
+            "they are copied where the prepared tokens match"
+        )
+    digest = read_prepared_digest(prepared)
+    manifests = {}
+    for s in splits:
+        if overwrite:
+            shutil.rmtree(cache / s, ignore_errors=True)
+        m = capture_split(
+            target.model,
+            dd[s],
+            cache / s,
+            aux_ids,
+            recipe.data.cache_dtype,
+            recipe.data.capture_batch_tokens,
+            recipe.data.shard_tokens,
+            pad,
+            t.name_or_path,
+            progress=progress,
+            fed_states=fed,
+            prepared_digest=digest,
+        )
+        copied = sum(sh.get("copied_samples", 0) for sh in m["shards"])
+        say(
+            f"{cache / s}: {m['num_samples']} samples ({copied} copied from regeneration), "
+            f"{m['num_tokens']} tokens, {len(m['shards'])} shards"
+        )
+        manifests[s] = m
+    if fed is not None and all((read_manifest(cache / s) or {}).get("complete") for s in dd):
+        # Every prepared split is captured: the states live on in the cache.
+        size = sum(f.stat().st_size for f in fed_dir.glob("*"))
+        shutil.rmtree(fed_dir)
+        say(f"capture: removed {fed_dir} ({size / 1e9:.2f} GB), the cache holds its states now")
+    return manifests

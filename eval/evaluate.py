@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
+from pathlib import Path
 
 import torch
 
@@ -138,3 +139,142 @@ def run_eval(
             "passed": not any(not m["near_tie"] for m in mismatches),
         },
     }
+
+
+# --- the stage: a recipe's evaluation -------------------------------------------------
+
+
+class EvalError(ValueError):
+    """An evaluation that cannot run as asked; the message names the head or setting."""
+
+
+def compare_heads(specs: list[str]) -> dict[str, str]:
+    """`[NAME=]HEAD` -> {name: head}; names must be unique and not a built-in drafter's."""
+    out = {}
+    for i, spec in enumerate(specs):
+        name, sep, head = spec.partition("=")
+        if not sep or "/" in name or not name:
+            name, head = ("compare" if i == 0 else f"compare{i + 1}"), spec
+        if name in out or name in ("head", "ngram", "plain"):
+            raise EvalError(f"--compare name {name!r} is taken; pass NAME=HEAD with another NAME")
+        out[name] = head
+    return out
+
+
+def load_eval_head(head_dir: str, target):
+    """A head from an eyas checkpoint or an export directory, on the target's device;
+    checked against the target's config as `eyas export --check --target` checks it."""
+    from eyas.heads.head_dir import target_facts
+    from eyas.heads.load_export import load_any_head
+    from eyas.heads.validate import ExportValidationError
+
+    embed = target.model.get_input_embeddings().weight.detach()
+    try:
+        head = load_any_head(
+            head_dir, target_embed=embed, target=target_facts(target.model.config, "the target")
+        )
+    except ExportValidationError as err:
+        raise EvalError(str(err)) from None
+    cfg = head.config
+    if cfg.vocab_size != target.vocab_size or cfg.target_hidden_size != target.hidden_size:
+        raise EvalError(
+            f"head {head_dir} was built for vocab {cfg.vocab_size} / hidden "
+            f"{cfg.target_hidden_size}, but the target has {target.vocab_size} / {target.hidden_size}"
+        )
+    device = embed.device
+    return head.to(device=device, dtype=embed.dtype if device.type == "cuda" else None).eval()
+
+
+def _replayed(drafters: dict, decode_baseline: bool) -> set[str]:
+    """The baseline is replayed beside a head unless asked to decode; alone, it is what
+    is being measured, so it is decoded."""
+    if decode_baseline or "head" not in drafters:
+        return set()
+    return {"ngram"} & set(drafters)
+
+
+def evaluate(
+    recipe,
+    head: str | None = None,
+    compare: dict[str, str] | None = None,
+    target=None,
+    out: str | Path | None = None,
+    tie_tolerance: float | None = None,
+    progress: bool = True,
+) -> tuple[dict, dict[str, str]]:
+    """The eval stage for a recipe (DESIGN §6): `recipe.eval`'s workload decoded plainly,
+    by the head (default run_dir/export when it exists), by every `compare` head
+    ({name: head}) and by the n-gram baseline; the report is written under `out` (default
+    run_dir/eval). Returns (report, {"json", "markdown", "png": path}).
+
+    Heads are directories or Hub ids. `target` may be passed in (a `LoadedTarget`);
+    otherwise it is loaded from `recipe.target` at `eval.dtype`, after the workload and
+    the heads' names are checked, so a bad argument fails before the model loads."""
+    from eyas.data.targets import load_target
+    from eyas.eval.ngram import NgramDrafter
+    from eyas.eval.report import verdicts, write_outputs
+    from eyas.eval.speculate import HeadDrafter
+    from eyas.eval.workloads import load_workload
+    from eyas.heads.fetch import fetch_head
+
+    ev = recipe.eval
+    if head is None and (recipe.paths.export / "config.json").is_file():
+        head = str(recipe.paths.export)
+    if head is None and ev.baseline is None:
+        raise EvalError("nothing to evaluate: pass a head (--head DIR) or the n-gram baseline")
+    compare = dict(compare or {})
+    if compare and head is None:
+        raise EvalError("--compare needs a head to compare with (--head)")
+    if head is not None:
+        head = str(fetch_head(head))  # a Hub id is downloaded into the HF cache
+    compare = {name: str(fetch_head(h)) for name, h in compare.items()}
+    prompts = load_workload(ev.workload, ev.max_prompts)
+    if target is None:
+        t = recipe.target
+        target = load_target(
+            t.name_or_path,
+            dtype=ev.dtype or t.dtype,
+            device=t.device,
+            attn_implementation=t.attn_implementation,
+            trust_remote_code=t.trust_remote_code,
+            revision=t.revision,
+            work_rows=ev.k + 1,  # a verify step's rows
+        )
+    drafters = {}
+    if head is not None:
+        drafters["head"] = HeadDrafter(load_eval_head(head, target))
+    for name, other in compare.items():
+        drafters[name] = HeadDrafter(load_eval_head(other, target))
+    if ev.baseline == "ngram":
+        drafters["ngram"] = NgramDrafter(ev.ngram_min, ev.ngram_max)
+    body = run_eval(
+        target.model,
+        target.tokenizer,
+        prompts,
+        drafters,
+        ev.k,
+        ev.max_new_tokens,
+        ev.temperature,
+        seed=ev.seed,
+        tie_tolerance=tie_tolerance,
+        progress=progress,
+        replay=_replayed(drafters, ev.decode_baseline),
+    )
+    report = {
+        "target": target.hub_id,
+        "head": head,
+        **({"compared": compare} if compare else {}),
+        "algorithm": drafters["head"].head.config.algorithm if "head" in drafters else None,
+        "workload": ev.workload,
+        "k": ev.k,
+        "temperature": ev.temperature,
+        "max_new_tokens": ev.max_new_tokens,
+        "device": str(target.model.device),
+        "dtype": str(target.model.dtype).replace("torch.", ""),
+        **body,
+    }
+    head_sum = report["drafters"].get("head")
+    if head_sum:  # flat copies for the model card
+        report.update({key: head_sum.get(key) for key in ("tau", "tar", "per_position_acceptance")})
+    report["warnings"] = verdicts(report)
+    return report, write_outputs(report, out or recipe.paths.eval)

@@ -66,6 +66,7 @@ KNOWN_FAILURES = {
     "eyas.data.targets": ("TargetLoadError",),
     "eyas.data.regenerate_server": ("ServerError",),
     "eyas.engine_process": ("EngineError",),
+    "eyas.eval.evaluate": ("EvalError",),
     "eyas.eval.workloads": ("WorkloadError",),
     "eyas.heads.export": ("ExportFormatError",),
     "eyas.heads.hub": ("PushError",),

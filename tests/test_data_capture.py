@@ -170,3 +170,24 @@ def test_capture_refuses_when_the_disk_is_too_small(llama, tmp_path, monkeypatch
     with pytest.raises(CaptureError, match="GB free"):
         capture_split(llama.model, _toy_split(), tmp_path / "c", [2, 4, 5], progress=False)
     assert not (tmp_path / "c" / "manifest.json").exists()
+
+
+def test_capture_entry_point_writes_every_split_and_refuses_without_prepared_data(tmp_path, tiny_llama_dir):
+    from train_run_fixtures import tiny_recipe, write_conversations
+
+    from eyas.data.cache import read_manifest
+    from eyas.data.capture import capture
+    from eyas.data.prepare import prepare
+
+    write_conversations(tmp_path / "conversations.jsonl", 12)
+    recipe = tiny_recipe(tmp_path / "run", tiny_llama_dir)
+    with pytest.raises(CaptureError, match=str(recipe.paths.prepared)):
+        capture(recipe, progress=False)
+    prepare(recipe, progress=False)
+    said = []
+    manifests = capture(recipe, progress=False, say=said.append)
+    assert set(manifests) == {"train", "eval"}
+    for split, m in manifests.items():
+        assert m == read_manifest(recipe.paths.cache / split) and m["complete"]
+        assert len(FeatureCache(recipe.paths.cache, split)) == m["num_samples"] > 0
+    assert any("aux layers" in line for line in said)

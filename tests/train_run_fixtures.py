@@ -63,21 +63,14 @@ def tiny_recipe(run_dir: Path, target_dir: Path, features: str = "offline", **tr
 
 def prepare_run(tmp: Path, target_dir: Path, features: str = "offline", n: int = 24, **train):
     """Write conversations, prepare them and (offline) capture features; return the recipe."""
-    from eyas.data.prepare import load_prepared, prepare
+    from eyas.data.prepare import prepare
 
     tmp.mkdir(parents=True, exist_ok=True)
     write_conversations(tmp / "conversations.jsonl", n)
     recipe = tiny_recipe(tmp / "run", target_dir, features, **train)
     prepare(recipe, progress=False)
     if features == "offline":
-        from eyas.data.capture import capture_split
-        from eyas.data.targets import default_aux_layer_ids, load_target
+        from eyas.data.capture import capture
 
-        target = load_target(str(target_dir), "float32", "cpu")
-        dd = load_prepared(recipe.paths.prepared)
-        ids = list(default_aux_layer_ids(target.num_layers))
-        for split in ("train", "eval"):
-            capture_split(
-                target.model, dd[split], recipe.paths.cache / split, ids, "bf16", 512, 1024, 3, progress=False
-            )
+        capture(recipe, progress=False)
     return recipe

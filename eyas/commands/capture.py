@@ -21,8 +21,6 @@ examples:
 from __future__ import annotations
 
 import argparse
-import shutil
-import sys
 
 from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
 
@@ -44,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eyas.data.cache import bytes_per_token, read_manifest, verify_cache
+    from eyas.data.cache import verify_cache
 
     recipe = load_recipe_from_args(args, writes="capture")
     cache = recipe.paths.cache
@@ -59,81 +57,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{cache}: {'DAMAGED' if problems else 'ok'}")
         return 1 if problems else 0
 
-    from eyas.data.capture import CaptureError, capture_split
-    from eyas.data.fed_states import FED_STATES_DIR, FedStates, fed_state_layer_ids
-    from eyas.data.prepare import load_prepared, read_prepared_digest
-    from eyas.data.targets import default_aux_layer_ids, load_target
+    from eyas.data.capture import capture
 
-    if recipe.data.features == "online":
-        print(
-            "eyas capture: data.features=online: the trainer computes the features itself; nothing to capture"
-        )
-        return 0
-    prepared = recipe.paths.prepared
-    if not (prepared / "dataset").is_dir():
-        print(f"eyas capture: no prepared data at {prepared}; run `eyas prepare` first", file=sys.stderr)
-        return 1
-    dd = load_prepared(prepared)
-    splits = [s for s in splits if s in dd]  # an empty eval split is not written
-    t = recipe.target
-    target = load_target(
-        t.name_or_path,
-        t.dtype,
-        t.device,
-        t.attn_implementation,
-        t.trust_remote_code,
-        t.revision,
-        work_rows=recipe.data.capture_batch_tokens,
-    )
-    aux_ids = list(recipe.data.aux_layer_ids or default_aux_layer_ids(target.num_layers))
-    bpt = bytes_per_token(len(aux_ids), target.hidden_size, recipe.data.cache_dtype)
-    total = sum(len(x) for s in splits for x in dd[s]["input_ids"])
-    print(
-        f"capture: aux layers {aux_ids}, {recipe.data.cache_dtype} cache, {bpt} bytes/token x {total} tokens "
-        f"= {bpt * total / 1e9:.3f} GB estimated, into {cache}"
-    )
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    fed_dir = prepared / FED_STATES_DIR
-    fed = (
-        FedStates(fed_dir, fed_state_layer_ids(aux_ids, target.num_layers), t.name_or_path)
-        if fed_dir.is_dir()
-        else None
-    )
-    if fed is not None:
-        print(
-            f"capture: {fed_dir} holds the regeneration's states of {len(fed)} conversations; they are "
-            f"copied "
-            "where the prepared tokens match"
-        )
-    try:
-        for s in splits:
-            if args.overwrite:
-                shutil.rmtree(cache / s, ignore_errors=True)
-            m = capture_split(
-                target.model,
-                dd[s],
-                cache / s,
-                aux_ids,
-                recipe.data.cache_dtype,
-                recipe.data.capture_batch_tokens,
-                recipe.data.shard_tokens,
-                pad,
-                t.name_or_path,
-                progress=not args.no_progress,
-                fed_states=fed,
-                prepared_digest=read_prepared_digest(prepared),
-            )
-            copied = sum(sh.get("copied_samples", 0) for sh in m["shards"])
-            print(
-                f"{cache / s}: {m['num_samples']} samples ({copied} copied from regeneration), "
-                f"{m['num_tokens']} tokens, {len(m['shards'])} shards"
-            )
-    except CaptureError as err:
-        print(f"eyas capture: {err}", file=sys.stderr)
-        return 1
-    if fed is not None and all((read_manifest(cache / s) or {}).get("complete") for s in dd):
-        # Every prepared split is captured: the states live on in the cache.
-        size = sum(f.stat().st_size for f in fed_dir.glob("*"))
-        shutil.rmtree(fed_dir)
-        print(f"capture: removed {fed_dir} ({size / 1e9:.2f} GB), the cache holds its states now")
+    capture(recipe, splits, overwrite=args.overwrite, progress=not args.no_progress, say=print)
     return 0

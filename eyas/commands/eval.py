@@ -75,150 +75,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def compare_heads(specs: list[str]) -> dict[str, str]:
-    """`[NAME=]HEAD` -> {name: head}; names must be unique and not a built-in drafter's."""
-    out = {}
-    for i, spec in enumerate(specs):
-        name, sep, head = spec.partition("=")
-        if not sep or "/" in name or not name:
-            name, head = ("compare" if i == 0 else f"compare{i + 1}"), spec
-        if name in out or name in ("head", "ngram", "plain"):
-            raise SystemExit(f"eyas eval: --compare name {name!r} is taken; pass NAME=HEAD with another NAME")
-        out[name] = head
-    return out
+# The command-line flags that set an eval recipe key of the same name.
+EVAL_FLAGS = (
+    "workload", "k", "max_prompts", "max_new_tokens", "temperature", "baseline",
+    "ngram_min", "ngram_max", "decode_baseline", "seed", "dtype",
+)  # fmt: skip
 
 
-def resolve_head(name: str) -> str:
-    """A head directory from a local path or a Hub id (downloaded into the HF cache)."""
-    from eyas.heads.export import ExportFormatError
-    from eyas.heads.fetch import fetch_head
+def eval_recipe(recipe, args: argparse.Namespace):
+    """The recipe with the command line's flags applied to its eval (and target) section,
+    validated as the recipe's own values are."""
+    from pydantic import ValidationError
 
+    from eyas.eval.evaluate import EvalError
+
+    updates = {key: getattr(args, key) for key in EVAL_FLAGS if getattr(args, key) is not None}
+    if updates.get("baseline") == "none":
+        updates["baseline"] = None
     try:
-        return str(fetch_head(name))
-    except ExportFormatError as err:
-        raise SystemExit(f"eyas eval: {err}") from None
-
-
-def load_eval_head(head_dir: str, target):
-    """A head from an eyas checkpoint or an export directory, on the target's device;
-    checked against the target's config as `eyas export --check --target` checks it."""
-    from eyas.heads.head_dir import target_facts
-    from eyas.heads.load_export import load_any_head
-    from eyas.heads.validate import ExportValidationError
-
-    embed = target.model.get_input_embeddings().weight.detach()
-    try:
-        head = load_any_head(
-            head_dir, target_embed=embed, target=target_facts(target.model.config, "the target")
-        )
-    except ExportValidationError as err:
-        raise SystemExit(f"eyas eval: {err}") from None
-    cfg = head.config
-    if cfg.vocab_size != target.vocab_size or cfg.target_hidden_size != target.hidden_size:
-        raise SystemExit(
-            f"eyas eval: head {head_dir} was built for vocab {cfg.vocab_size} / hidden "
-            f"{cfg.target_hidden_size}, but the target has {target.vocab_size} / {target.hidden_size}"
-        )
-    device = embed.device
-    return head.to(device=device, dtype=embed.dtype if device.type == "cuda" else None).eval()
-
-
-def _replayed(drafters: dict, decode_baseline: bool) -> set[str]:
-    """The baseline is replayed beside a head unless asked to decode; alone, it is what
-    is being measured, so it is decoded."""
-    if decode_baseline or "head" not in drafters:
-        return set()
-    return {"ngram"} & set(drafters)
+        section = type(recipe.eval).model_validate({**recipe.eval.model_dump(), **updates})
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise EvalError(f"--{'-'.join(map(str, first['loc'])).replace('_', '-')}: {first['msg']}") from None
+    changed = {"eval": section}
+    if args.target:
+        changed["target"] = recipe.target.model_copy(update={"name_or_path": args.target})
+    return recipe.model_copy(update=changed)
 
 
 def run(args: argparse.Namespace) -> int:
-    from eyas.data.targets import load_target
-    from eyas.eval.evaluate import run_eval
-    from eyas.eval.ngram import NgramDrafter
-    from eyas.eval.report import format_report, verdicts, write_outputs
-    from eyas.eval.speculate import HeadDrafter
-    from eyas.eval.workloads import load_workload
+    from eyas.eval.evaluate import compare_heads, evaluate
+    from eyas.eval.report import format_report
 
-    recipe = load_recipe_from_args(args)
-    ev = recipe.eval
-    pick = lambda value, default: default if value is None else value  # noqa: E731
-    k = pick(args.k, ev.k)
-    if k < 1:
-        raise SystemExit("eyas eval: --k must be at least 1")
-    baseline = pick(args.baseline, ev.baseline or "none")
-    head_dir = args.head
-    if head_dir is None and (recipe.paths.export / "config.json").is_file():
-        head_dir = str(recipe.paths.export)
-    if head_dir is None and baseline == "none":
-        raise SystemExit("eyas eval: nothing to evaluate: pass --head DIR or --baseline ngram")
-    compared = compare_heads(args.compare)
-    if compared and head_dir is None:
-        raise SystemExit("eyas eval: --compare needs a --head to compare with")
-    if head_dir is not None:
-        head_dir = resolve_head(head_dir)
-    compared = {name: resolve_head(h) for name, h in compared.items()}
-    workload = pick(args.workload, ev.workload)
-    prompts = load_workload(workload, pick(args.max_prompts, ev.max_prompts))  # before the target: fails fast
-    t = recipe.target
-    target = load_target(
-        pick(args.target, t.name_or_path),
-        dtype=pick(args.dtype, ev.dtype or t.dtype),
-        device=t.device,
-        attn_implementation=t.attn_implementation,
-        trust_remote_code=t.trust_remote_code,
-        revision=t.revision,
-        work_rows=k + 1,
-    )  # a verify step's rows
-    drafters = {}
-    if head_dir is not None:
-        drafters["head"] = HeadDrafter(load_eval_head(head_dir, target))
-    for name, other in compared.items():
-        drafters[name] = HeadDrafter(load_eval_head(other, target))
-    if baseline == "ngram":
-        drafters["ngram"] = NgramDrafter(
-            pick(args.ngram_min, ev.ngram_min), pick(args.ngram_max, ev.ngram_max)
-        )
-    temperature = pick(args.temperature, ev.temperature)
-    max_new = pick(args.max_new_tokens, ev.max_new_tokens)
-    body = run_eval(
-        target.model,
-        target.tokenizer,
-        prompts,
-        drafters,
-        k,
-        max_new,
-        temperature,
-        seed=pick(args.seed, ev.seed),
+    recipe = eval_recipe(load_recipe_from_args(args), args)
+    report, paths = evaluate(
+        recipe,
+        head=args.head,
+        compare=compare_heads(args.compare),
+        out=args.out,
         tie_tolerance=args.tie_tolerance,
         progress=not args.no_progress and not args.json,
-        replay=_replayed(drafters, pick(args.decode_baseline, ev.decode_baseline)),
     )
-    report = {
-        "target": target.hub_id,
-        "head": head_dir,
-        **({"compared": compared} if compared else {}),
-        "algorithm": drafters["head"].head.config.algorithm if "head" in drafters else None,
-        "workload": workload,
-        "k": k,
-        "temperature": temperature,
-        "max_new_tokens": max_new,
-        "device": str(target.model.device),
-        "dtype": str(target.model.dtype).replace("torch.", ""),
-        **body,
-    }
-    head_sum = report["drafters"].get("head")
-    if head_sum:  # flat copies for the model card
-        report.update({key: head_sum.get(key) for key in ("tau", "tar", "per_position_acceptance")})
-    report["warnings"] = verdicts(report)
-    paths = write_outputs(report, args.out or recipe.paths.eval)
     if args.json:
         print(json.dumps(report, indent=2))
+        for line in report["warnings"]:  # stdout stays machine-readable; the warnings go to stderr
+            print(line, file=sys.stderr)
     else:
         print(format_report(report))
         print(f"wrote {paths['json']}, {paths['markdown']}, {paths['png']}")
-    if args.json:  # stdout stays machine-readable; the warnings go to stderr
-        for line in report["warnings"]:
-            print(line, file=sys.stderr)
     if not report["lossless"]["passed"]:
         print(
             "eyas eval: FAILED: speculative greedy output differs from plain greedy decoding", file=sys.stderr
