@@ -100,15 +100,22 @@ class Eagle3Head(nn.Module):
             aux = self.input_norm(aux)
         return self.fc(aux)
 
+    def forward_layers(self, input_ids, hidden, positions, cache: HeadCache, mask=None) -> torch.Tensor:
+        """The decoder layers of one head step over T slots, up to the final norm: the
+        pre-norm state `[B, T, H]`; keys are appended to `cache`. The one layer loop both
+        `forward_step` (drafting, serving) and the training loss run, so they cannot drift."""
+        embeds = self.embed_tokens(input_ids)
+        h = hidden
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            h = layer(h, positions, layer_cache, mask, embeds=embeds if layer.first else None)
+        return h
+
     def forward_step(self, input_ids, hidden, positions, cache: HeadCache, mask=None):
         """One head step over T slots; keys are appended to `cache`.
 
         Returns logits over the draft vocabulary `[B, T, Vd]` and the hidden state fed to
         the next step `[B, T, H]` (pre-norm, or normed with `norm_output`)."""
-        embeds = self.embed_tokens(input_ids)
-        h = hidden
-        for layer, layer_cache in zip(self.layers, cache.layers):
-            h = layer(h, positions, layer_cache, mask, embeds=embeds if layer.first else None)
+        h = self.forward_layers(input_ids, hidden, positions, cache, mask)
         normed = self.norm(h)
         return self.lm_head(normed), (normed if self.config.norm_output else h)
 

@@ -7,7 +7,7 @@ from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.layers import TTTMask
 from eyas.train.copy_attention import copy_attention_loss, copy_attention_targets, recording_head0
-from eyas.train.ttt import ttt_unroll
+from eyas.train.reference import ttt_unroll
 
 
 def _ones(ids):

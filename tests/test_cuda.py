@@ -18,7 +18,7 @@ from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.peagle import PEagleHead
 from eyas.train.cod import cod_grid, compact, element_inputs
 from eyas.train.masks import peagle_block_mask, peagle_dense_mask
-from eyas.train.ttt import ttt_unroll
+from eyas.train.reference import ttt_unroll
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -223,7 +223,7 @@ def test_sampled_speculative_decoding_matches_the_target_chain(tiny_llama_dir):
 
 def test_eval_acceptance_agrees_with_teacher_forced_accuracy(tiny_llama_dir):
     from eyas.train.losses import target_labels
-    from eyas.train.ttt import ttt_unroll
+    from eyas.train.reference import ttt_unroll
 
     target, perm = bigram_target(tiny_llama_dir)
     model = target.model

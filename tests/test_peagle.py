@@ -8,9 +8,9 @@ import torch
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.peagle import PEagleHead, choose_mask_token_id
 from eyas.recipe import TrainSection
+from eyas.train.batching import shift_left
 from eyas.train.cod import cod_grid, compact, peagle_forward, peagle_loss
 from eyas.train.losses import TargetLabels
-from eyas.train.ttt import shift_left
 
 V, AUX = 50, 72
 

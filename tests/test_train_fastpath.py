@@ -10,7 +10,7 @@ from eyas.heads.layers import RMSNorm
 from eyas.heads.vocab import build_vocab_map
 from eyas.train.fastpath import draft_first_lm_head, ttt_loss_valid_rows, valid_row_labels
 from eyas.train.losses import target_labels
-from eyas.train.ttt import ttt_loss
+from eyas.train.reference import ttt_loss
 
 
 def _setup(opts, vd):

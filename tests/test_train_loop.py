@@ -94,7 +94,7 @@ def test_repeated_nonfinite_losses_stop_with_checkpoint(online_run, tmp_path, mo
     import eyas.train.loop as loop
 
     def nan_loss(head, batch, labels, cfg, generator=None):
-        from eyas.train.ttt import ttt_loss
+        from eyas.train.reference import ttt_loss
 
         stats = ttt_loss(head, batch, labels, cfg.ttt_steps, cfg.ttt_decay)
         stats.loss = stats.loss * float("nan")

@@ -10,7 +10,7 @@ from eyas.train.batching import BatchStream, DataPosition, collate, pack_group, 
 from eyas.train.checkpoint import latest_checkpoint, list_checkpoints
 from eyas.train.loop import cosine_with_warmup
 from eyas.train.metrics import AccuracyMeter
-from eyas.train.ttt import StepStats
+from eyas.train.step_stats import StepStats
 
 
 def test_pack_group_fits_token_budget_and_batch_size():

@@ -7,8 +7,9 @@ import torch
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.layers import TTTMask
+from eyas.train.batching import shift_left
 from eyas.train.masks import ttt_dense_mask, ttt_reference_mask
-from eyas.train.ttt import shift_left, ttt_unroll
+from eyas.train.reference import ttt_unroll
 
 
 def _cfg(**kw):

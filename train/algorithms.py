@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from eyas.train.copy_attention import copy_attention_loss, copy_attention_targets, recording_head0
 from eyas.train.fastpath import ttt_loss_valid_rows
-from eyas.train.ttt import StepStats
+from eyas.train.step_stats import StepStats
 
 LossFn = Callable[..., StepStats]
 

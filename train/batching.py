@@ -81,6 +81,15 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """[B, T, ...] -> the same shape with x[:, n:] moved to the front and `fill` after (the
+    teacher-forced tokens of a later TTT step)."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
 def collate(samples: list[dict], pad_id: int = 0, pad_to_multiple_of: int = 1) -> dict:
     """Right-pad samples to the longest, rounded up to a multiple of `pad_to_multiple_of`.
     Each sample holds input_ids [T] and loss_mask [T], and optionally aux [T, n·Ht] /

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from eyas.heads.peagle import PEagleHead
 from eyas.train.losses import TargetLabels, soft_cross_entropy_rows
 from eyas.train.masks import peagle_block_mask, peagle_dense_mask
-from eyas.train.ttt import StepStats
+from eyas.train.step_stats import StepStats
 
 
 def cod_depth_counts(n_valid: int, num_depths: int, r: float, r_min: float) -> list[int]:

@@ -1,6 +1,7 @@
 """The EAGLE-3 hot path, restricted to the slots that carry loss.
 
-Same math as `target_labels` + `ttt_loss` (the tests compare them), with less work:
+Same math as `target_labels` + the reference `eyas.train.reference.ttt_loss` (the tests
+compare them), with less work:
 - labels: the target's full-vocabulary logits are computed only at slots whose next token
   is real and in the loss mask (assistant tokens), not at every slot, with the LM head's
   draft rows first so the draft logits are a slice and the rest needs only a max;
@@ -18,9 +19,9 @@ from torch import nn
 
 from eyas.heads.layers import TTTMask
 from eyas.sampling import argmax_rows
-from eyas.train.batching import round_up
+from eyas.train.batching import round_up, shift_left
 from eyas.train.losses import TargetLabels, soft_cross_entropy_rows
-from eyas.train.ttt import StepStats, shift_left
+from eyas.train.step_stats import StepStats
 
 
 @dataclass
@@ -106,19 +107,11 @@ def _round_up(n: int) -> int:
     return round_up(n, ROW_MULTIPLE)
 
 
-def _trunk_step(head, input_ids, hidden, positions, cache, mask) -> torch.Tensor:
-    """`head.forward_step` up to the final norm: the pre-norm state `[B, T, H]`."""
-    embeds = head.embed_tokens(input_ids)
-    h = hidden
-    for layer, layer_cache in zip(head.layers, cache.layers):
-        h = layer(h, positions, layer_cache, mask, embeds=embeds if layer.first else None)
-    return h
-
-
 def ttt_loss_valid_rows(
     head, batch: dict, labels: TargetLabels, steps: int, decay: float, compile_mode: str = "off"
 ) -> StepStats:
-    """`ttt_loss` with the LM head and the loss evaluated only on valid query slots.
+    """The TTT loss (`eyas.train.reference.ttt_loss`) with the LM head and the loss evaluated
+    only on valid query slots; the head's layers run as in `forward_step`.
 
     Every step reads the rows of the valid label slots s in one fixed order: step k's
     query for label s is slot s-1-k of the same sample (absent, weight 0, when s-1-k
@@ -141,7 +134,7 @@ def ttt_loss_valid_rows(
     stats = StepStats(loss=torch.zeros(()), tokens=int(am.sum()))
     total = None
     for k in range(steps):
-        h = _trunk_step(head, shift_left(input_ids, 1 + k, 0), hid, positions + k, cache, mask)
+        h = head.forward_layers(shift_left(input_ids, 1 + k, 0), hid, positions + k, cache, mask)
         normed = head.norm(h)
         present = (label_pos >= 1 + k) & real
         count = int(present.sum())

@@ -1,38 +1,21 @@
-"""Training-time test for EAGLE-3 (DESIGN §3): unroll the head S steps over every slot of
-a batch, feeding each step its own previous hidden state, teacher-forced tokens and
-positions moved by one per step; the loss is the decayed sum of per-step soft-label
-cross-entropies.
+"""Reference implementations that only tests run: the plain EAGLE-3 training-time test
+(DESIGN §3) over every slot, against which the valid-row loss that training uses
+(`eyas.train.fastpath.ttt_loss_valid_rows`) and the drafting paths are checked.
+
+Unroll the head S steps over every slot of a batch, feeding each step its own previous
+hidden state, teacher-forced tokens and positions moved by one per step; the loss is the
+decayed sum of per-step soft-label cross-entropies.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.layers import TTTMask
+from eyas.train.batching import shift_left
 from eyas.train.losses import TargetLabels, argmax_accuracy, soft_cross_entropy
-
-
-@dataclass
-class StepStats:
-    """Loss and accuracy counts of one forward over a batch (per unrolled step/depth)."""
-
-    loss: torch.Tensor
-    step_losses: list[float] = field(default_factory=list)
-    hits: list[int] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
-    tokens: int = 0  # real tokens processed
-    extra_losses: dict[str, float] = field(default_factory=dict)  # named terms inside `loss`, for logging
-
-
-def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
-    """[B, T, ...] -> the same shape with x[:, n:] moved to the front and `fill` after."""
-    if n == 0:
-        return x
-    pad = torch.full_like(x[:, :n], fill)
-    return torch.cat([x[:, n:], pad], dim=1)
+from eyas.train.step_stats import StepStats
 
 
 def ttt_unroll(head: Eagle3Head, input_ids, attention_mask, aux, steps: int):
