@@ -9,9 +9,10 @@ Two layouts:
   `architectures: ["LlamaForCausalLMEagle3"]` + model.safetensors; a one-layer head names
   its layer `midlayer.*` (vLLM maps it to `layers.0.*`).
 
-Besides what vLLM reads, config.json carries an `eyas` block (target layer count, family,
-whether the embedding ships) so the validator can check aux ids against the target and an
-import rebuilds the exact `DraftHeadConfig`; vLLM ignores unknown top-level keys.
+The config's schema (both layouts) is `heads/serving_config.py`. Besides what vLLM reads,
+config.json carries an `eyas` block (target layer count, family, whether the embedding
+ships) so the validator can check aux ids against the target and an import rebuilds the
+exact `DraftHeadConfig`; vLLM ignores unknown top-level keys.
 """
 
 from __future__ import annotations
@@ -29,13 +30,11 @@ from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.io import CONFIG_NAME as EYAS_CONFIG
 from eyas.heads.io import WEIGHTS_NAME as EYAS_WEIGHTS
 from eyas.heads.io import head_state_dict
+from eyas.heads.serving_config import build_eagle, build_layer, build_speculators
 
 ExportFormat = Literal["speculators", "eagle"]
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-SPECULATORS_VERSION = "0.3.0"
-SPECULATORS_ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}
-EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle3"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -44,124 +43,27 @@ class ExportFormatError(ValueError):
 
 
 # --- config ---------------------------------------------------------------------------
+# The schema and its builders live in heads/serving_config.py (DESIGN §5); these dicts are
+# what config.json holds.
 
 
 def transformer_layer_config(cfg: DraftHeadConfig) -> dict:
-    """The head as a complete llama config (`vocab_size` = the target's vocabulary).
-
-    `num_aux_hidden_states` is written because vLLM's Eagle3 model takes the fc width from
-    it (or from `eagle_config`) and otherwise assumes 3 aux layers."""
-    layer = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": cfg.hidden_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "num_aux_hidden_states": cfg.num_aux,
-    }
-    if cfg.algorithm == "peagle":
-        # vLLM's P-EAGLE updater copies neither option from the top level.
-        for key in ("fc_norm", "norm_output"):
-            if getattr(cfg, key):
-                layer[key] = True
-    return layer
-
-
-def _head_options(cfg: DraftHeadConfig) -> dict:
-    opts = {"norm_before_residual": cfg.norm_before_residual}
-    for key in ("norm_before_fc", "fc_norm", "norm_output"):
-        if getattr(cfg, key):
-            opts[key] = True
-    return opts
-
-
-def _eyas_block(cfg: DraftHeadConfig, ships_embedding: bool) -> dict:
-    return {
-        "target_num_layers": cfg.target_num_layers,
-        "target_model_type": cfg.target_model_type,
-        "embedding_included": ships_embedding,
-    }
+    """The head as a complete llama config (`vocab_size` = the target's vocabulary)."""
+    return build_layer(cfg).model_dump(mode="json")
 
 
 def speculators_config_dict(
     cfg: DraftHeadConfig, verifier: str | None = None, ships_embedding: bool = False
 ) -> dict:
     """config.json of the speculators layout (DESIGN §5)."""
-    verifier = verifier or cfg.verifier_name_or_path
-    if not verifier:
-        raise ValueError("the serving config needs the verifier's Hub id or path: pass --verifier")
-    out = {
-        "architectures": [SPECULATORS_ARCHITECTURES[cfg.algorithm]],
-        "speculators_model_type": cfg.algorithm,
-        "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": transformer_layer_config(cfg),
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        **_head_options(cfg),
-        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-    }
-    if cfg.algorithm == "peagle":
-        out["mask_token_id"] = cfg.mask_token_id
-        out["ptd_token_id"] = cfg.mask_token_id  # vLLM 0.16 reads only this name
-    out["speculators_config"] = {
-        "algorithm": cfg.algorithm,
-        "proposal_methods": [
-            {
-                "proposal_type": "greedy",
-                "speculative_tokens": cfg.speculative_tokens,
-                "verifier_accept_k": 1,
-                "accept_tolerance": 0.0,
-            }
-        ],
-        "default_proposal_method": "greedy",
-        "verifier": {"name_or_path": verifier, "architectures": list(cfg.target_architectures)},
-    }
-    out["eyas"] = _eyas_block(cfg, ships_embedding)
-    return out
+    return build_speculators(cfg, verifier, ships_embedding).to_dict()
 
 
 def eagle_config_dict(
     cfg: DraftHeadConfig, verifier: str | None = None, ships_embedding: bool = False
 ) -> dict:
     """config.json of the original EAGLE-3 layout (a flat llama config)."""
-    out = transformer_layer_config(cfg)
-    out["architectures"] = [EAGLE_ARCHITECTURE]
-    out.update(
-        {
-            "draft_vocab_size": cfg.draft_vocab_size,
-            "target_hidden_size": cfg.target_hidden_size,
-            **_head_options(cfg),
-            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-            "eagle_config": {
-                "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-                "use_aux_hidden_state": True,
-                **({"norm_before_fc": True} if cfg.norm_before_fc else {}),
-            },
-        }
-    )
-    if cfg.algorithm == "peagle":
-        out.update(mask_token_id=cfg.mask_token_id, ptd_token_id=cfg.mask_token_id)
-    eyas = _eyas_block(cfg, ships_embedding)
-    eyas.update(
-        algorithm=cfg.algorithm,
-        speculative_tokens=cfg.speculative_tokens,
-        verifier_name_or_path=verifier or cfg.verifier_name_or_path,
-        target_architectures=list(cfg.target_architectures),
-    )
-    out["eyas"] = eyas
-    return out
+    return build_eagle(cfg, verifier, ships_embedding).to_dict()
 
 
 # --- tensors --------------------------------------------------------------------------

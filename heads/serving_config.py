@@ -1,0 +1,543 @@
+"""The serving config.json in one schema (DESIGN §5): the speculators layout (EAGLE-3 and
+P-EAGLE), the original EAGLE-3 layout (a flat llama config) and the transformer layer
+config both nest.
+
+Export builds these models from a `DraftHeadConfig` and dumps them: a model's field order
+is the order config.json is written in, and a field that is left out when off or unset
+says so with `exclude_if` (tests/fixtures/exports pins the bytes). Import validates a raw
+config.json with the same models; every validation error becomes a problem naming its
+field path, and the fields that did validate are still read, so a reader reports every
+problem. What a value means against the verifier or against other fields (aux ids vs
+layers, mask id vs vocabulary, ...) is checked by the reader, `heads/head_dir.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+)
+from pydantic.fields import FieldInfo
+
+from eyas.heads.config import DraftHeadConfig
+
+SPECULATORS_VERSION = "0.3.0"
+SPECULATORS_ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}
+EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle3"
+ALGORITHMS = ("eagle3", "peagle")
+# HF LlamaConfig's defaults, which vLLM applies to a head config that leaves them out.
+LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "rope_theta": 10000.0}
+
+Number = StrictInt | StrictFloat  # an int stays an int, so a note quotes the value as written
+
+
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+def _is_off(value: Any) -> bool:
+    return not value
+
+
+def _field(
+    default: Any = ...,
+    *,
+    expected: str | None = None,
+    omit: Any = None,
+    description: str | None = None,
+    **constraints: Any,
+) -> Any:
+    """A field with the words a problem uses for a wrong value (`expected`) and the rule
+    that leaves it out of config.json (`omit`: `_is_none` or `_is_off`)."""
+    extra = {"expected": expected} if expected else None
+    return Field(default, exclude_if=omit, description=description, json_schema_extra=extra, **constraints)
+
+
+def _optional(expected: str | None = None, **constraints: Any) -> Any:
+    return _field(None, expected=expected, omit=_is_none, **constraints)
+
+
+def _flag() -> Any:
+    """An option written only when on (vLLM's default is off)."""
+    return _field(False, expected="true or false", omit=_is_off)
+
+
+class _Schema(BaseModel):
+    # vLLM ignores keys it does not know and published heads carry many: they pass.
+    model_config = ConfigDict(extra="ignore")
+
+
+class RopeParameters(_Schema):
+    """`rope_parameters` / `rope_scaling`; the scaling's own settings pass untouched."""
+
+    model_config = ConfigDict(extra="allow")
+
+    rope_type: StrictStr | None = _optional()
+    type: StrictStr | None = _optional()  # older HF name of rope_type
+    rope_theta: Number | None = _optional("a number")
+
+    @property
+    def kind(self) -> str | None:
+        return self.rope_type or self.type
+
+
+class TransformerLayerConfig(_Schema):
+    """The head as a complete llama config; `vocab_size` is the target's vocabulary."""
+
+    model_type: Literal["llama", "qwen3"] = _field(expected="'llama' or 'qwen3' (the heads vLLM serves)")
+    architectures: list[StrictStr] | None = _optional("a non-empty list of strings", min_length=1)
+    hidden_size: StrictInt
+    num_attention_heads: StrictInt
+    num_key_value_heads: StrictInt | None = _optional()
+    head_dim: StrictInt | None = _optional()
+    intermediate_size: StrictInt
+    num_hidden_layers: StrictInt
+    hidden_act: StrictStr | None = _optional()
+    rms_norm_eps: Number | None = _optional("a number")
+    rope_theta: Number | None = _optional("a number")
+    rope_parameters: RopeParameters | None = _optional("an object")
+    rope_scaling: RopeParameters | None = _optional("an object")
+    max_position_embeddings: StrictInt | None = _optional()
+    vocab_size: StrictInt
+    attention_bias: StrictBool | None = _optional()
+    mlp_bias: StrictBool | None = _optional()
+    tie_word_embeddings: StrictBool | None = _optional()
+    # vLLM's Eagle3 model takes the fc width from it (or from `eagle_config`), else assumes 3.
+    num_aux_hidden_states: StrictInt | None = _optional()
+    # P-EAGLE: vLLM's updater copies neither option from the top level, so they sit here too.
+    fc_norm: StrictBool | None = _field(None, expected="true or false", omit=_is_off)
+    norm_output: StrictBool | None = _field(None, expected="true or false", omit=_is_off)
+
+
+class ProposalMethod(_Schema):
+    proposal_type: StrictStr | None = _optional()
+    speculative_tokens: StrictInt = _field(expected="K >= 1", ge=1)
+    verifier_accept_k: StrictInt | None = _optional()
+    accept_tolerance: Number | None = _optional("a number")
+
+
+class Verifier(_Schema):
+    name_or_path: StrictStr = _field(description="vllm serve DIR loads this target", min_length=1)
+    architectures: list[StrictStr] = _field(expected="a non-empty list of strings", min_length=1)
+
+
+class SpeculatorsBlock(_Schema):
+    algorithm: StrictStr
+    proposal_methods: list[ProposalMethod] = _field(expected="a non-empty list of objects", min_length=1)
+    default_proposal_method: StrictStr
+    verifier: Verifier = _field(expected="an object")
+
+
+class EyasBlock(_Schema):
+    """eyas's own facts (vLLM ignores them): what the validator checks aux ids against and
+    what an import needs to rebuild the exact `DraftHeadConfig`."""
+
+    target_num_layers: StrictInt | None = None
+    target_model_type: StrictStr | None = None
+    embedding_included: StrictBool | None = None
+
+
+class EyasEagleBlock(EyasBlock):
+    """The EAGLE layout has no speculators block: the head's algorithm, K and verifier live here."""
+
+    algorithm: Literal["eagle3", "peagle"] | None = _field(None, expected="'eagle3' or 'peagle'")
+    speculative_tokens: StrictInt | None = None
+    verifier_name_or_path: StrictStr | None = None
+    target_architectures: list[StrictStr] | None = None
+
+
+class EagleBlock(_Schema):
+    """`eagle_config` of the EAGLE layout (NVIDIA ModelOpt keeps the aux ids only here)."""
+
+    eagle_aux_hidden_state_layer_ids: list[StrictInt] | None = _optional(
+        "a non-empty list of integers", min_length=1
+    )
+    use_aux_hidden_state: StrictBool | None = _optional()
+    norm_before_fc: StrictBool | None = _field(None, expected="true or false", omit=_is_off)
+
+
+# The head's top-level fields, shared by both layouts (each model lists them in its key order).
+# `draft_vocab_size` may be absent (it is then `vocab_size`) but not null.
+_DRAFT_VOCAB = dict(expected="a positive integer", gt=0)
+_TARGET_HIDDEN = dict(expected="an integer or null")  # null: the head's own width
+_AUX_IDS = dict(expected="a non-empty list of integers", min_length=1)
+_MASK_ID = dict(expected="an integer")
+
+
+class SpeculatorsServingConfig(_Schema):
+    """config.json of the speculators layout (no top-level `model_type`)."""
+
+    architectures: list[StrictStr] = _field(expected="a non-empty list of strings", min_length=1)
+    speculators_model_type: Literal["eagle3", "peagle"] = _field(expected="'eagle3' or 'peagle'")
+    speculators_version: StrictStr = _field(expected="a non-empty string", min_length=1)
+    transformer_layer_config: TransformerLayerConfig = _field(expected="an object")
+    draft_vocab_size: StrictInt = _field(None, **_DRAFT_VOCAB)
+    target_hidden_size: StrictInt | None = _field(None, **_TARGET_HIDDEN)
+    # always written: vLLM's eagle3 and peagle readers default it differently
+    norm_before_residual: StrictBool | None = _field(None, expected="true or false")
+    norm_before_fc: StrictBool = _flag()
+    fc_norm: StrictBool = _flag()
+    norm_output: StrictBool = _flag()
+    # at the top level: some vLLM runners read only this copy
+    eagle_aux_hidden_state_layer_ids: list[StrictInt] | None = _optional(**_AUX_IDS)
+    mask_token_id: StrictInt | None = _optional(**_MASK_ID)
+    ptd_token_id: StrictInt | None = _optional(**_MASK_ID)  # vLLM 0.16 reads only this name
+    speculators_config: SpeculatorsBlock = _field(expected="an object")
+    eagle_config: EagleBlock | None = _optional("an object")  # read when given, never written
+    eyas: EyasBlock | None = _optional("an object")
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+class EagleHeadFields(_Schema):
+    """What the original EAGLE-3 layout adds to its flat llama config."""
+
+    architectures: list[StrictStr] = _field(expected="a non-empty list of strings", min_length=1)
+    draft_vocab_size: StrictInt = _field(None, **_DRAFT_VOCAB)
+    target_hidden_size: StrictInt | None = _field(None, **_TARGET_HIDDEN)
+    norm_before_residual: StrictBool | None = _field(None, expected="true or false")
+    norm_before_fc: StrictBool = _flag()
+    fc_norm: StrictBool = _flag()
+    norm_output: StrictBool = _flag()
+    eagle_aux_hidden_state_layer_ids: list[StrictInt] | None = _optional(**_AUX_IDS)
+    eagle_config: EagleBlock | None = _optional("an object")
+    mask_token_id: StrictInt | None = _optional(**_MASK_ID)
+    ptd_token_id: StrictInt | None = _optional(**_MASK_ID)
+    eyas: EyasEagleBlock | None = _optional("an object")
+
+
+class EagleServingConfig(BaseModel):
+    """config.json of the original EAGLE-3 layout: one flat dict that is both the head's
+    llama config (`layer`) and its own fields (`head`); a key both carry keeps the layer's
+    place in the file and the head's value."""
+
+    layer: TransformerLayerConfig
+    head: EagleHeadFields
+
+    def to_dict(self) -> dict:
+        return {**self.layer.model_dump(mode="json"), **self.head.model_dump(mode="json")}
+
+
+ServingConfig = SpeculatorsServingConfig | EagleServingConfig
+
+
+# --- export: from a DraftHeadConfig ----------------------------------------------------
+
+
+def build_layer(cfg: DraftHeadConfig) -> TransformerLayerConfig:
+    peagle = cfg.algorithm == "peagle"
+    return TransformerLayerConfig(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        hidden_act=cfg.hidden_act,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        rope_parameters=RopeParameters(rope_type="default", rope_theta=cfg.rope_theta),
+        max_position_embeddings=cfg.max_position_embeddings,
+        vocab_size=cfg.vocab_size,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        num_aux_hidden_states=cfg.num_aux,
+        fc_norm=peagle and cfg.fc_norm,
+        norm_output=peagle and cfg.norm_output,
+    )
+
+
+def _head_fields(cfg: DraftHeadConfig) -> dict[str, Any]:
+    """The top-level head fields both layouts write."""
+    mask = cfg.mask_token_id if cfg.algorithm == "peagle" else None
+    return dict(
+        draft_vocab_size=cfg.draft_vocab_size,
+        target_hidden_size=cfg.target_hidden_size,
+        norm_before_residual=cfg.norm_before_residual,
+        norm_before_fc=cfg.norm_before_fc,
+        fc_norm=cfg.fc_norm,
+        norm_output=cfg.norm_output,
+        eagle_aux_hidden_state_layer_ids=list(cfg.aux_layer_ids),
+        mask_token_id=mask,
+        ptd_token_id=mask,
+    )
+
+
+def _eyas_fields(cfg: DraftHeadConfig, ships_embedding: bool) -> dict[str, Any]:
+    return dict(
+        target_num_layers=cfg.target_num_layers,
+        target_model_type=cfg.target_model_type,
+        embedding_included=ships_embedding,
+    )
+
+
+def build_speculators(
+    cfg: DraftHeadConfig, verifier: str | None = None, ships_embedding: bool = False
+) -> SpeculatorsServingConfig:
+    verifier = verifier or cfg.verifier_name_or_path
+    if not verifier:
+        raise ValueError("the serving config needs the verifier's Hub id or path: pass --verifier")
+    method = ProposalMethod(
+        proposal_type="greedy",
+        speculative_tokens=cfg.speculative_tokens,
+        verifier_accept_k=1,
+        accept_tolerance=0.0,
+    )
+    return SpeculatorsServingConfig(
+        architectures=[SPECULATORS_ARCHITECTURES[cfg.algorithm]],
+        speculators_model_type=cfg.algorithm,
+        speculators_version=SPECULATORS_VERSION,
+        transformer_layer_config=build_layer(cfg),
+        **_head_fields(cfg),
+        speculators_config=SpeculatorsBlock(
+            algorithm=cfg.algorithm,
+            proposal_methods=[method],
+            default_proposal_method="greedy",
+            verifier=Verifier(name_or_path=verifier, architectures=list(cfg.target_architectures)),
+        ),
+        eyas=EyasBlock(**_eyas_fields(cfg, ships_embedding)),
+    )
+
+
+def build_eagle(
+    cfg: DraftHeadConfig, verifier: str | None = None, ships_embedding: bool = False
+) -> EagleServingConfig:
+    head = EagleHeadFields(
+        architectures=[EAGLE_ARCHITECTURE],
+        **_head_fields(cfg),
+        eagle_config=EagleBlock(
+            eagle_aux_hidden_state_layer_ids=list(cfg.aux_layer_ids),
+            use_aux_hidden_state=True,
+            norm_before_fc=cfg.norm_before_fc,
+        ),
+        eyas=EyasEagleBlock(
+            **_eyas_fields(cfg, ships_embedding),
+            algorithm=cfg.algorithm,
+            speculative_tokens=cfg.speculative_tokens,
+            verifier_name_or_path=verifier or cfg.verifier_name_or_path,
+            target_architectures=list(cfg.target_architectures),
+        ),
+    )
+    return EagleServingConfig(layer=build_layer(cfg), head=head)
+
+
+# --- import: a raw config.json ---------------------------------------------------------
+
+
+@dataclass
+class ParsedConfig:
+    """A raw config.json read with the schema: the model (a refused value reads as None, a
+    missing model as one whose fields are all None), a problem per error, and the paths
+    whose given value was refused (so a reader does not take them as absent)."""
+
+    config: ServingConfig
+    problems: list[str] = field(default_factory=list)
+    invalid: set[str] = field(default_factory=set)
+
+
+def parse_serving_config(raw: dict, fmt: Literal["speculators", "eagle"]) -> ParsedConfig:
+    """Validate a raw config.json of layout `fmt`; every problem is listed, none raised."""
+    if fmt == "speculators":
+        problems = []
+        if "model_type" in raw:
+            problems.append(
+                "config.json has a top-level model_type; the speculators format must not "
+                "(vLLM would not detect it as a speculators head)"
+            )
+        spec, found, invalid = _validate(SpeculatorsServingConfig, raw)
+        return ParsedConfig(spec, problems + found, invalid)
+    layer, layer_problems, layer_invalid = _validate(TransformerLayerConfig, raw)
+    head, head_problems, head_invalid = _validate(EagleHeadFields, raw)
+    problems = layer_problems + [p for p in head_problems if p not in layer_problems]
+    config = EagleServingConfig.model_construct(layer=layer, head=head)
+    return ParsedConfig(config, problems, layer_invalid | head_invalid)
+
+
+def given(model: BaseModel | None, name: str) -> bool:
+    """Whether the config wrote `name` (even as null), as opposed to leaving it out."""
+    return model is not None and name in model.model_fields_set
+
+
+def _validate(cls: type[BaseModel], raw: dict) -> tuple[Any, list[str], set[str]]:
+    try:
+        return cls.model_validate(raw), [], set()
+    except ValidationError as err:
+        errors = err.errors()
+    problems, invalid = [], set()
+    for error in errors:
+        path, text = _problem(cls, raw, error)
+        invalid.add(path)
+        if text not in problems:
+            problems.append(text)
+    return _salvage(cls, raw, [e["loc"] for e in errors]), problems, invalid
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model class inside an annotation (`M`, `M | None`, `list[M]`), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) in (Union, UnionType, list):
+        for arg in get_args(annotation):
+            found = _model_in(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _owner(cls: type[BaseModel], loc: tuple) -> tuple[int, FieldInfo | None]:
+    """How many parts of an error's location name the field it belongs to, and that
+    field: an item of a list of numbers belongs to the list, a union branch to the field."""
+    depth, info, model = 0, None, cls
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and model is not None and part in model.model_fields:
+            info = model.model_fields[part]
+            depth, model = i + 1, _model_in(info.annotation)
+        elif not (isinstance(part, int) and model is not None):
+            break
+    return depth, info
+
+
+def _path(loc: tuple) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(loc))
+
+
+def _value_at(raw: Any, loc: tuple) -> Any:
+    for part in loc:
+        raw = raw[part]
+    return raw
+
+
+def _problem(cls: type[BaseModel], raw: dict, error: dict) -> tuple[str, str]:
+    depth, info = _owner(cls, error["loc"])
+    loc = error["loc"][:depth]
+    path = _path(loc)
+    if error["type"] == "missing" and depth == len(error["loc"]):
+        hint = f" ({info.description})" if info is not None and info.description else ""
+        return path, f"{path} is missing{hint}"
+    value = _value_at(raw, loc)
+    expected = (info.json_schema_extra or {}).get("expected") if info is not None else None
+    if expected:
+        return path, f"{path} is {value!r}, expected {expected}"
+    msg = error["msg"]
+    return path, f"{path} is {value!r}; {msg[0].lower()}{msg[1:]}"
+
+
+def blank(cls: type[BaseModel]) -> BaseModel:
+    """A model with every field None, for a part of the config that is missing or refused."""
+    return cls.model_construct(
+        **{name: _blank_value(f) for name, f in cls.model_fields.items() if f.is_required()}
+    )
+
+
+def _blank_value(info: FieldInfo) -> Any:
+    model = _model_in(info.annotation)
+    return blank(model) if model is not None and get_origin(info.annotation) is not list else None
+
+
+def _salvage(cls: type[BaseModel], raw: Any, bad: list[tuple]) -> BaseModel:
+    """The model of `raw` with each refused value None and the rest validated."""
+    if not isinstance(raw, dict) or any(not loc for loc in bad):
+        return blank(cls)
+    values: dict[str, Any] = {}
+    for name, info in cls.model_fields.items():
+        if name not in raw:
+            if info.is_required():
+                values[name] = _blank_value(info)
+            continue
+        here = [loc[1:] for loc in bad if loc[0] == name]
+        values[name] = _salvage_value(info, raw[name], here) if here else _valid(info, raw[name])
+    return cls.model_construct(**values)
+
+
+def _salvage_value(info: FieldInfo, value: Any, bad: list[tuple]) -> Any:
+    model = _model_in(info.annotation)
+    if model is None or any(not loc for loc in bad):
+        return _blank_value(info) if info.is_required() else None
+    if isinstance(value, list):
+        return [
+            _salvage(model, item, [loc[1:] for loc in bad if loc[0] == i])
+            if any(loc[0] == i for loc in bad)
+            else model.model_validate(item)
+            for i, item in enumerate(value)
+        ]
+    return _salvage(model, value, bad)
+
+
+def _valid(info: FieldInfo, value: Any) -> Any:
+    """A value that passed validation, as validation makes it (nested models built)."""
+    return TypeAdapter(info.annotation).validate_python(value) if _model_in(info.annotation) else value
+
+
+# --- the llama defaults vLLM applies ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The layer's values with vLLM's defaults applied (None where unknown)."""
+
+    num_key_value_heads: int | None
+    head_dim: int | None
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+
+
+def layer_shape(
+    layer: TransformerLayerConfig, where: str, invalid: set[str] | frozenset = frozenset()
+) -> tuple[LayerShape, list[str]]:
+    """The layer with the llama defaults vLLM applies, and a note for each default taken;
+    a value the schema refused (`invalid`, paths as `ParsedConfig` has them) stays unknown."""
+    notes, defaulted = [], []
+    h, heads = layer.hidden_size, layer.num_attention_heads
+    kv, hd = layer.num_key_value_heads, layer.head_dim
+    refused = {key for key in ("num_key_value_heads", "head_dim") if f"{where}{key}" in invalid}
+    if kv is None and heads is not None and "num_key_value_heads" not in refused:
+        kv = heads
+        defaulted.append(f"num_key_value_heads={heads}")
+    if hd is None and h is not None and heads and "head_dim" not in refused:
+        hd = h // heads
+        defaulted.append(f"head_dim={hd}")
+    params = layer.rope_parameters
+    written = {
+        "rms_norm_eps": layer.rms_norm_eps,
+        "max_position_embeddings": layer.max_position_embeddings,
+        # a rope_theta key in rope_parameters wins, even null (as HF reads it)
+        "rope_theta": params.rope_theta if given(params, "rope_theta") else layer.rope_theta,
+    }
+    values = {}
+    for key, default in LLAMA_DEFAULTS.items():
+        values[key] = written[key]
+        if values[key] is None:
+            values[key] = default
+            defaulted.append(f"{key}={default}")
+    kind = next((r.kind for r in (layer.rope_scaling, params) if r is not None and r.kind), None)
+    if kind and kind != "default":
+        notes.append(
+            f"{where}rope_scaling {kind!r}: eyas's head applies plain rope (theta "
+            f"{values['rope_theta']}), so "
+            "its training and offline eval differ from vLLM's serving of this config at long positions; "
+            "an export from eyas writes plain rope"
+        )
+    if defaulted:
+        notes.append(
+            f"{where or 'config.json: '}absent, the llama defaults vLLM applies: {', '.join(defaulted)}"
+        )
+    shape = LayerShape(
+        kv, hd, values["rms_norm_eps"], float(values["rope_theta"]), values["max_position_embeddings"]
+    )
+    return shape, notes
