@@ -4,41 +4,231 @@ evaluation, full-state checkpoints with automatic resume, and logging.
 
 `accelerate launch -m eyas.train --recipe R` runs it on any number of processes; only the
 head (inside `HeadWithLoss`) is handed to accelerate, the target stays frozen and
-unwrapped on every rank.
+unwrapped on every rank. `train` reads as the recipe it runs: check the earlier run, set
+up, step, evaluate, checkpoint, save the head; the launcher plumbing is in
+`train/distributed.py`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from eyas.data.prepare import read_prepared_digest
-from eyas.precision import resolve_mixed_precision, shapes_of_config
 from eyas.train.algorithms import loss_function
 from eyas.train.batching import DataPosition
 from eyas.train.build import HeadWithLoss, frozen_output, initial_head
-from eyas.train.checkpoint import (
-    TrainerState,
-    latest_checkpoint,
-    load_checkpoint,
-    read_trainer_state,
-    save_checkpoint,
-    uses_engine_state,
+from eyas.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint, uses_engine_state
+from eyas.train.distributed import (
+    any_rank_nonfinite,
+    make_accelerator,
+    prepare,
+    sum_counts_over_ranks,
+    trained_head,
 )
 from eyas.train.feed import FeatureSource, batch_stream, open_split, to_device
 from eyas.train.metrics import AccuracyMeter, make_logger
-from eyas.train.run_settings import RerunRefused, changed_settings, training_settings
+from eyas.train.run_settings import EarlierRun, RerunRefused, read_earlier_run
 
 log = logging.getLogger(__name__)
 
 
 class TrainingStopped(RuntimeError):
     """The run stopped on purpose (e.g. repeated non-finite losses); a checkpoint was saved."""
+
+
+def train(
+    recipe, target=None, progress: bool = True, restart: bool = False, accept_changes: bool = False
+) -> dict:
+    """Train the head a recipe describes; resumes from the newest checkpoint under
+    `run_dir/checkpoints` (unless train.resume is false). Returns a summary dict with the
+    final step, the final head directory and the last train/eval metrics
+    (`already_finished`: the run had ended under these settings; nothing was done).
+
+    A rerun under other settings than the checkpoints' is refused (`RerunRefused`, naming
+    the keys) unless `accept_changes` (continue under the new ones) or `restart` (delete
+    the run's checkpoints, head and metrics, and start anew); see train/run_settings.py.
+
+    `target`: an already loaded `eyas.data.targets.Target` (tests, notebooks); otherwise
+    loaded from `recipe.target` on this process's device.
+    """
+    cfg = recipe.train
+    if cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
+    accelerator = make_accelerator(recipe, target)
+    earlier = read_earlier_run(recipe, accelerator, restart, accept_changes)
+    if earlier.finished and not earlier.changes:
+        return _already_finished(recipe, accelerator, earlier)
+
+    run = setup(recipe, target, accelerator, earlier, progress)
+    try:
+        while run.state.step < run.total:
+            skipped = train_step(run)
+            run.state.step += 1
+            run.bar.update(1)
+            _count_skipped(run, skipped)
+            if _due(run.state.step, cfg.log_every, run.total):
+                _log_train(run)
+            if run.eval_src is not None and _due(run.state.step, cfg.eval_every, run.total):
+                run.last_eval = evaluate(
+                    accelerator, run.model, run.features, recipe, run.eval_src, run.pad_id
+                )
+                if run.last_eval:
+                    run.logger.log(run.last_eval, run.state.step)
+            if cfg.save_every > 0 and run.state.step % cfg.save_every == 0 and run.state.step < run.total:
+                checkpoint(run)
+        if run.saved_at != run.state.step:
+            checkpoint(run)
+        save_final_head(run)
+    finally:
+        run.bar.close()
+        run.logger.close()
+    return _summary(run)
+
+
+# --- a run that had finished --------------------------------------------------------
+
+
+def _already_finished(recipe, accelerator, earlier: EarlierRun) -> dict:
+    saved = earlier.saved
+    if accelerator.is_main_process:
+        log.info("%s finished training at step %d; nothing to do", recipe.paths.root, saved.step)
+    return {
+        "is_main_process": accelerator.is_main_process,
+        "step": saved.step,
+        "total_steps": saved.total_steps,
+        "final_dir": str(recipe.paths.checkpoints / "final"),
+        "train": {},
+        "eval": {},
+        "nonfinite_steps": saved.nonfinite_total,
+        "already_finished": True,
+    }
+
+
+# --- setup -----------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """What a training run carries from one optimizer step to the next."""
+
+    recipe: Any
+    accelerator: Any
+    head_cfg: Any
+    model: Any  # the prepared HeadWithLoss
+    optimizer: Any
+    scheduler: Any
+    params: list  # the trainable parameters, clipped and zeroed together
+    features: FeatureSource
+    stream: Any  # the training BatchStream of this rank
+    eval_src: Any
+    pad_id: int
+    generator: torch.Generator  # the algorithm's sampling (COD), checkpointed per rank
+    state: TrainerState
+    total: int  # optimizer steps of the whole run
+    saved_at: int = -1  # step of the newest checkpoint written or resumed from
+    logger: Any = None
+    bar: Any = None
+    meter: AccuracyMeter = field(default_factory=AccuracyMeter)
+    last_train: dict = field(default_factory=dict)
+    last_eval: dict = field(default_factory=dict)
+    window_start: float = 0.0  # the throughput window since the last train log
+    window_tokens: int = 0
+
+
+def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool = True) -> Run:
+    """Target, head, data, optimizer and schedule, then the checkpoint to resume from. The
+    order is the run's random state (the seed, then the head's initial weights), so a rerun
+    trains bit for bit the same."""
+    cfg = recipe.train
+    device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
+    torch.manual_seed(cfg.seed)
+    if target is None:
+        target = _load_target(recipe, device)
+    target.model.to(device)
+    pad_id = getattr(target.tokenizer, "pad_token_id", None) or 0
+    head, head_cfg = _build_head(recipe, target, device)
+    features = FeatureSource(target.model, list(head_cfg.aux_layer_ids), frozen_output(target.model), head)
+
+    train_src = open_split(recipe, head_cfg, "train")
+    eval_src = open_split(recipe, head_cfg, "eval")
+    stream = batch_stream(recipe, train_src, rank, world, pad_id=pad_id)
+    steps_per_epoch = max(1, stream.batches_per_epoch() // (world * cfg.grad_accum))
+    total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+
+    model = HeadWithLoss(head, loss_function(head_cfg.algorithm), cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.learning_rate, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg.warmup_steps, total))
+    model, optimizer = prepare(accelerator, model, optimizer, cfg)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + rank)
+    state = TrainerState(world_size=world, total_steps=total, settings=earlier.settings)
+    run = Run(
+        recipe=recipe,
+        accelerator=accelerator,
+        head_cfg=head_cfg,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        params=params,
+        features=features,
+        stream=stream,
+        eval_src=eval_src,
+        pad_id=pad_id,
+        generator=generator,
+        state=state,
+        total=total,
+    )
+    if earlier.latest is not None:
+        _resume(run, earlier)
+    run.logger = _open_logger(recipe, accelerator)
+    run.bar = _progress_bar(run, progress)
+    run.window_start = time.perf_counter()
+    model.train()
+    return run
+
+
+def _load_target(recipe, device):
+    from eyas.data.targets import load_target
+
+    t = recipe.target
+    return load_target(
+        t.name_or_path,
+        t.dtype,
+        str(device),
+        t.attn_implementation,
+        t.trust_remote_code,
+        t.revision,
+        work_rows=recipe.train.batch_tokens,
+    )
+
+
+def _build_head(recipe, target, device):
+    """The initial head (fresh or train.init_from) on `device`, and its config."""
+    from eyas.data.prepare import load_token_frequencies
+
+    cfg = recipe.train
+    freqs_path = recipe.paths.prepared / "token_freqs.safetensors"
+    freqs = load_token_frequencies(freqs_path) if freqs_path.is_file() else None
+    # the verifier the exported head names: the recipe's Hub id for a target loaded from a local dir
+    head, head_cfg = initial_head(recipe, target, freqs, verifier=recipe.target.hub_id or target.hub_id)
+    head = head.to(device)
+    if cfg.freeze_lm_head:
+        if head_cfg.hidden_size != head_cfg.target_hidden_size:
+            raise ValueError(
+                "train.freeze_lm_head needs head.hidden_size equal to the target's "
+                f"({head_cfg.target_hidden_size}): only then is the LM head copied from the target"
+            )
+        # keeps the target's own output rows: far fewer weights to fit on a small dataset
+        head.lm_head.weight.requires_grad_(False)
+    return head, head_cfg
 
 
 def cosine_with_warmup(warmup_steps: int, total_steps: int, min_ratio: float = 0.0):
@@ -53,6 +243,158 @@ def cosine_with_warmup(warmup_steps: int, total_steps: int, min_ratio: float = 0
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def _resume(run: Run, earlier: EarlierRun) -> None:
+    """Load the newest checkpoint into the prepared objects and move the data stream there;
+    the run continues under this recipe's settings and length."""
+    accelerator, saved, latest = run.accelerator, earlier.saved, earlier.latest
+    root = run.recipe.paths.root
+    if earlier.finished and run.total <= saved.step:
+        raise RerunRefused(
+            f"{root} finished training at step {saved.step}; under the changed settings "
+            f"it would train {run.total} steps in all, so nothing is left to train. Raise "
+            "train.max_steps or train.epochs to train on, or pass --restart to train anew"
+        )
+    state = load_checkpoint(latest, accelerator, run.model, run.optimizer, run.generator)
+    if earlier.changes:
+        state.changes.append({"step": state.step, "changes": earlier.changes})
+        if accelerator.is_main_process:
+            log.warning(
+                "continuing %s from step %d under changed settings: %s",
+                root,
+                state.step,
+                "; ".join(earlier.changes),
+            )
+    state.total_steps, state.settings = run.total, earlier.settings
+    if state.world_size != accelerator.num_processes:
+        log.warning(
+            "%s was written by %d processes, resuming with %d: the data order changes",
+            latest,
+            state.world_size,
+            accelerator.num_processes,
+        )
+    run.scheduler.load_state_dict(state.scheduler)
+    run.stream.position = DataPosition(state.epoch, state.batches)
+    run.state, run.saved_at = state, state.step
+    if accelerator.is_main_process:
+        log.info("resumed from %s (step %d)", latest, state.step)
+
+
+def _open_logger(recipe, accelerator):
+    """The metrics logger (rank 0 only), after writing the recipe this run trains under
+    from now on."""
+    from eyas.recipe import dump_recipe
+
+    paths = recipe.paths
+    if not accelerator.is_main_process:
+        return make_logger("none", paths.root)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    (paths.root / "recipe.yaml").write_text(dump_recipe(recipe))
+    return make_logger(recipe.train.logger, paths.root, recipe.name, recipe.model_dump(mode="json"))
+
+
+def _progress_bar(run: Run, progress: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=run.total,
+        initial=run.state.step,
+        desc="train",
+        unit="step",
+        disable=not (progress and run.accelerator.is_main_process),
+    )
+
+
+# --- one optimizer step ----------------------------------------------------------------
+
+
+def train_step(run: Run) -> bool:
+    """One optimizer step over `train.grad_accum` micro-batches. Returns True when the
+    update was skipped: a loss on any rank, or the gradient norm, was not finite."""
+    cfg, accelerator = run.recipe.train, run.accelerator
+    skipped = False
+    for _ in range(cfg.grad_accum):
+        batch, labels = run.features.complete(to_device(next(run.stream), accelerator.device))
+        with accelerator.accumulate(run.model):
+            with accelerator.autocast():
+                stats = run.model(batch, labels, run.generator)
+            if any_rank_nonfinite(accelerator, stats.loss):
+                skipped = True
+                # every rank still runs a backward so gradient sync stays in step
+                loss = sum(p.sum() for p in run.params) * 0.0
+            else:
+                loss = stats.loss
+                run.meter.add(stats)
+                run.window_tokens += stats.tokens
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                skipped = _apply_update(run, skipped)
+    return skipped
+
+
+def _apply_update(run: Run, skipped: bool) -> bool:
+    """Clip, step the optimizer unless the step is skipped, and advance the schedule either
+    way (the schedule counts steps, not updates)."""
+    cfg, accelerator = run.recipe.train, run.accelerator
+    # DeepSpeed clips inside its own step (gradient_clipping, filled from the recipe); sharded
+    # engine gradients are not clipped here
+    if cfg.max_grad_norm > 0 and not uses_engine_state(accelerator):
+        norm = accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm)
+        if norm is not None and not torch.isfinite(norm):
+            skipped = True
+    if not skipped:
+        run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return skipped
+
+
+def _count_skipped(run: Run, skipped: bool) -> None:
+    """Count a skipped step; too many in a row stop the run with a checkpoint."""
+    state, cfg = run.state, run.recipe.train
+    if not skipped:
+        state.nonfinite_run = 0
+        return
+    state.nonfinite_total += 1
+    state.nonfinite_run += 1
+    run.logger.log({"train/nonfinite_steps": state.nonfinite_total}, state.step)
+    log.warning(
+        "step %d: non-finite loss or gradient, update skipped (%d in a row)", state.step, state.nonfinite_run
+    )
+    if state.nonfinite_run > cfg.max_nonfinite_steps:
+        where = checkpoint(run)
+        raise TrainingStopped(
+            f"{state.nonfinite_run} steps in a row had a non-finite loss or gradient (limit "
+            f"train.max_nonfinite_steps={cfg.max_nonfinite_steps}); stopped at step {state.step} "
+            f"with a checkpoint at {where}. Lower train.learning_rate or check the data/features."
+        )
+
+
+def _due(step: int, every: int, total: int) -> bool:
+    """Every `every` steps and at the last one; never when `every` is 0."""
+    return every > 0 and (step % every == 0 or step == total)
+
+
+def _log_train(run: Run) -> None:
+    """Log the training metrics summed since the last log, and start a new window."""
+    elapsed = time.perf_counter() - run.window_start
+    if run.meter.batches:
+        metrics = run.meter.summary("train/")
+        metrics["train/tokens_per_s"] = run.window_tokens * run.accelerator.num_processes / max(elapsed, 1e-9)
+        metrics["train/lr"] = run.scheduler.get_last_lr()[0]
+        run.logger.log(metrics, run.state.step)
+        run.bar.set_postfix(
+            loss=f"{metrics['train/loss']:.3f}",
+            acc=f"{metrics.get('train/acc_0', 0):.3f}",
+            tok_s=f"{metrics['train/tokens_per_s']:.0f}",
+        )
+        run.last_train = metrics
+    run.meter.reset()
+    run.window_start, run.window_tokens = time.perf_counter(), 0
+
+
+# --- evaluation ------------------------------------------------------------------------
 
 
 def evaluate(accelerator, model, features: FeatureSource, recipe, source, pad_id=0) -> dict:
@@ -76,369 +418,50 @@ def evaluate(accelerator, model, features: FeatureSource, recipe, source, pad_id
             with accelerator.autocast():
                 meter.add(model(batch, labels, None))
     model.train()
-    if world > 1 and meter.hits:
-        counts = torch.tensor([meter.hits, meter.counts], dtype=torch.long, device=accelerator.device)
-        counts = accelerator.reduce(counts, reduction="sum").tolist()
-        meter.merge_counts(counts[0], counts[1])
+    sum_counts_over_ranks(accelerator, meter)
     return meter.summary("eval/") if meter.batches else {}
 
 
-def _fill_deepspeed_config(accelerator, cfg) -> None:
-    """Resolve the DeepSpeed JSON's "auto" fields from the recipe: no dataloader goes
-    through accelerate (batches are token-bucketed), so it cannot fill them itself."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is None:
-        return
-    ds = plugin.deepspeed_config
-    if ds.get("gradient_clipping", "auto") == "auto":
-        ds["gradient_clipping"] = cfg.max_grad_norm
-    if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-        ds["train_micro_batch_size_per_gpu"] = 1
-    ds["train_batch_size"] = ds["train_micro_batch_size_per_gpu"] * cfg.grad_accum * accelerator.num_processes
-    ds["gradient_accumulation_steps"] = cfg.grad_accum
+# --- saving ----------------------------------------------------------------------------
 
 
-def train(
-    recipe, target=None, progress: bool = True, restart: bool = False, accept_changes: bool = False
-) -> dict:
-    """Train the head a recipe describes; resumes from the newest checkpoint under
-    `run_dir/checkpoints` (unless train.resume is false). Returns a summary dict with the
-    final step, the final head directory and the last train/eval metrics
-    (`already_finished`: the run had ended under these settings; nothing was done).
+def checkpoint(run: Run) -> Path:
+    """Write the full training state (every rank calls this) and return its directory."""
+    state, stream = run.state, run.stream
+    state.epoch, state.batches = stream.position.epoch, stream.position.batches
+    state.scheduler = run.scheduler.state_dict()
+    state.world_size = run.accelerator.num_processes
+    where = save_checkpoint(
+        run.recipe.paths.checkpoints,
+        run.accelerator,
+        run.model,
+        run.optimizer,
+        state,
+        run.generator,
+        run.recipe.train.keep_checkpoints,
+    )
+    run.saved_at = state.step
+    return where
 
-    A rerun under other settings than the checkpoints' is refused (`RerunRefused`, naming
-    the keys) unless `accept_changes` (continue under the new ones) or `restart` (delete
-    the run's checkpoints, head and metrics, and start anew); see train/run_settings.py.
 
-    `target`: an already loaded `eyas.data.targets.Target` (tests, notebooks); otherwise
-    loaded from `recipe.target` on this process's device.
-    """
-    from accelerate import Accelerator
-    from tqdm.auto import tqdm
-
-    from eyas.data.prepare import load_token_frequencies
-    from eyas.data.targets import load_target
+def save_final_head(run: Run) -> None:
+    """The trained head as `checkpoints/final`, the directory export reads."""
     from eyas.heads.io import save_head
-    from eyas.heads.peagle import build_head
-    from eyas.recipe import dump_recipe
 
-    cfg = recipe.train
-    if cfg.cpu_threads:
-        torch.set_num_threads(cfg.cpu_threads)
-    # Without a GPU, torchrun-launched processes (`accelerate launch --multi_gpu`) only form a
-    # gloo process group when accelerate is told to use the CPU.
-    # DeepSpeed picks its own device (DS_ACCELERATOR=cpu on a CPU machine).
-    on_cpu = recipe.target.device == "cpu" or (
-        recipe.target.device == "auto" and not torch.cuda.is_available()
-    )
-    on_cpu = on_cpu and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true"
-    if not on_cpu and not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
-        # DeepSpeed on CPU (DS_ACCELERATOR=cpu): accelerate finds no backend by itself and
-        # would run every process as a world of one; gloo carries DeepSpeed's collectives.
-        from accelerate import PartialState
+    head = trained_head(run.accelerator, run.model, run.head_cfg)
+    if head is not None:
+        save_head(head, run.recipe.paths.checkpoints / "final")
+    run.accelerator.wait_for_everyone()
 
-        PartialState(backend="gloo")
-    compute_device = "cuda" if torch.cuda.is_available() and not on_cpu else "cpu"
-    accelerator = Accelerator(
-        mixed_precision=_mixed_precision(recipe, target, compute_device),
-        gradient_accumulation_steps=cfg.grad_accum,
-        cpu=on_cpu,
-    )
-    device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
-    paths = recipe.paths
-    ckpt_root = paths.checkpoints
-    if accelerator.is_main_process:
-        log.info(
-            "training on %d process(es), %s, device %s, mixed precision %s",
-            world,
-            accelerator.distributed_type.name,
-            device,
-            accelerator.mixed_precision,
-        )
-    settings = training_settings(recipe, read_prepared_digest(paths.prepared))
-    if restart and accelerator.is_main_process:
-        clear_run(paths)
-    accelerator.wait_for_everyone()
-    # Decided before the target loads (minutes for a large one): a finished run is left as
-    # it is, a changed one refused, before anything is written.
-    latest = latest_checkpoint(ckpt_root)
-    if latest is not None and not cfg.resume:
-        raise RerunRefused(
-            f"{ckpt_root} holds checkpoints of an earlier run and train.resume is false: pass "
-            "--restart to delete them and start anew, or set run_dir to a new directory"
-        )
-    saved = read_trainer_state(latest) if latest is not None else None
-    finished = (
-        saved is not None
-        and saved.total_steps > 0
-        and saved.step >= saved.total_steps
-        and (ckpt_root / "final").is_dir()
-    )
-    changes = changed_settings(saved.settings, settings) if saved is not None and saved.settings else []
-    if saved is not None and not saved.settings:
-        log.warning("%s predates recorded settings: resuming without checking the recipe against it", latest)
-    if changes and not accept_changes:
-        listed = "; ".join(changes)
-        if finished:
-            raise RerunRefused(
-                f"{paths.root} finished training ({saved.step} steps) under other settings than "
-                f"this recipe's ({listed}); nothing was changed. Pass --restart to train anew in "
-                "this run dir (its checkpoints and head are deleted), or set run_dir to a new one"
-            )
-        raise RerunRefused(
-            f"{latest} was trained under other settings than this recipe's ({listed}). Rerun with "
-            "the recipe it was trained with, pass --accept-changes to continue from step "
-            f"{saved.step} under the new ones, or --restart to train anew"
-        )
-    if finished and not changes:
-        if accelerator.is_main_process:
-            log.info("%s finished training at step %d; nothing to do", paths.root, saved.step)
-        return {
-            "is_main_process": accelerator.is_main_process,
-            "step": saved.step,
-            "total_steps": saved.total_steps,
-            "final_dir": str(ckpt_root / "final"),
-            "train": {},
-            "eval": {},
-            "nonfinite_steps": saved.nonfinite_total,
-            "already_finished": True,
-        }
 
-    torch.manual_seed(cfg.seed)
-    if target is None:
-        t = recipe.target
-        target = load_target(
-            t.name_or_path,
-            t.dtype,
-            str(device),
-            t.attn_implementation,
-            t.trust_remote_code,
-            t.revision,
-            work_rows=cfg.batch_tokens,
-        )
-    target.model.to(device)
-    pad_id = getattr(target.tokenizer, "pad_token_id", None) or 0
-    freqs_path = paths.prepared / "token_freqs.safetensors"
-    freqs = load_token_frequencies(freqs_path) if freqs_path.is_file() else None
-    # the verifier the exported head names: the recipe's Hub id for a target loaded from a local dir
-    head, head_cfg = initial_head(recipe, target, freqs, verifier=recipe.target.hub_id or target.hub_id)
-    head = head.to(device)
-    if cfg.freeze_lm_head:
-        if head_cfg.hidden_size != head_cfg.target_hidden_size:
-            raise ValueError(
-                "train.freeze_lm_head needs head.hidden_size equal to the target's "
-                f"({head_cfg.target_hidden_size}): only then is the LM head copied from the target"
-            )
-        # keeps the target's own output rows: far fewer weights to fit on a small dataset
-        head.lm_head.weight.requires_grad_(False)
-    features = FeatureSource(target.model, list(head_cfg.aux_layer_ids), frozen_output(target.model), head)
-
-    train_src = open_split(recipe, head_cfg, "train")
-    eval_src = open_split(recipe, head_cfg, "eval")
-    stream = batch_stream(recipe, train_src, rank, world, pad_id=pad_id)
-    steps_per_epoch = max(1, stream.batches_per_epoch() // (world * cfg.grad_accum))
-    total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
-
-    model = HeadWithLoss(head, loss_function(head_cfg.algorithm), cfg)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.learning_rate, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
-    )
-    # The scheduler is stepped by hand once per optimizer step (accelerate would step it
-    # once per process).
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg.warmup_steps, total))
-    _fill_deepspeed_config(accelerator, cfg)
-    # The scheduler's state travels in state.json under every launcher: registered with
-    # accelerate it would be pickled and loaded back with weights_only=False.
-    model, optimizer = accelerator.prepare(model, optimizer)
-    generator = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + rank)
-
-    state = TrainerState(world_size=world, total_steps=total, settings=settings)
-    if latest is not None:
-        if finished and total <= saved.step:
-            raise RerunRefused(
-                f"{paths.root} finished training at step {saved.step}; under the changed settings "
-                f"it would train {total} steps in all, so nothing is left to train. Raise "
-                "train.max_steps or train.epochs to train on, or pass --restart to train anew"
-            )
-        state = load_checkpoint(latest, accelerator, model, optimizer, generator)
-        if changes:
-            state.changes.append({"step": state.step, "changes": changes})
-            if accelerator.is_main_process:
-                log.warning(
-                    "continuing %s from step %d under changed settings: %s",
-                    paths.root,
-                    state.step,
-                    "; ".join(changes),
-                )
-        state.total_steps, state.settings = total, settings
-        if state.world_size != world:
-            log.warning(
-                "%s was written by %d processes, resuming with %d: the data order changes",
-                latest,
-                state.world_size,
-                world,
-            )
-        scheduler.load_state_dict(state.scheduler)
-        stream.position = DataPosition(state.epoch, state.batches)
-        if accelerator.is_main_process:
-            log.info("resumed from %s (step %d)", latest, state.step)
-
-    if accelerator.is_main_process:  # what this run is trained under, from now on
-        paths.root.mkdir(parents=True, exist_ok=True)
-        (paths.root / "recipe.yaml").write_text(dump_recipe(recipe))
-    logger = (
-        make_logger(cfg.logger, paths.root, recipe.name, recipe.model_dump(mode="json"))
-        if accelerator.is_main_process
-        else make_logger("none", paths.root)
-    )
-
-    def checkpoint() -> Path:
-        state.epoch, state.batches = stream.position.epoch, stream.position.batches
-        state.scheduler = scheduler.state_dict()
-        state.world_size = world
-        return save_checkpoint(
-            ckpt_root, accelerator, model, optimizer, state, generator, cfg.keep_checkpoints
-        )
-
-    meter = AccuracyMeter()
-    last_train, last_eval = {}, {}
-    bar = tqdm(
-        total=total,
-        initial=state.step,
-        desc="train",
-        unit="step",
-        disable=not (progress and accelerator.is_main_process),
-    )
-    t_window, tokens_window = time.perf_counter(), 0
-    saved_at = state.step if latest is not None else -1
-    model.train()
-    try:
-        while state.step < total:
-            bad = False
-            for _ in range(cfg.grad_accum):
-                batch, labels = features.complete(to_device(next(stream), device))
-                with accelerator.accumulate(model):
-                    with accelerator.autocast():
-                        stats = model(batch, labels, generator)
-                    nonfinite = (~torch.isfinite(stats.loss.detach())).float()
-                    if world > 1:
-                        nonfinite = accelerator.reduce(nonfinite, reduction="sum")
-                    if nonfinite.item() > 0:
-                        bad = True
-                        # every rank still runs a backward so gradient sync stays in step
-                        loss = sum(p.sum() for p in params) * 0.0
-                    else:
-                        loss = stats.loss
-                        meter.add(stats)
-                        tokens_window += stats.tokens
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients:
-                        if cfg.max_grad_norm > 0 and not uses_engine_state(accelerator):
-                            norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
-                            if norm is not None and not torch.isfinite(norm):
-                                bad = True
-                        if not bad:
-                            optimizer.step()
-                        scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
-            state.step += 1
-            bar.update(1)
-            if bad:
-                state.nonfinite_total += 1
-                state.nonfinite_run += 1
-                logger.log({"train/nonfinite_steps": state.nonfinite_total}, state.step)
-                log.warning(
-                    "step %d: non-finite loss or gradient, update skipped (%d in a row)",
-                    state.step,
-                    state.nonfinite_run,
-                )
-                if state.nonfinite_run > cfg.max_nonfinite_steps:
-                    where = checkpoint()
-                    raise TrainingStopped(
-                        f"{state.nonfinite_run} steps in a row had a non-finite loss or gradient (limit "
-                        f"train.max_nonfinite_steps={cfg.max_nonfinite_steps}); stopped at step {state.step} "
-                        f"with a checkpoint at {where}. Lower train.learning_rate or check the data/features."
-                    )
-            else:
-                state.nonfinite_run = 0
-            if state.step % cfg.log_every == 0 or state.step == total:
-                elapsed = time.perf_counter() - t_window
-                if meter.batches:
-                    last_train = meter.summary("train/")
-                    last_train["train/tokens_per_s"] = tokens_window * world / max(elapsed, 1e-9)
-                    last_train["train/lr"] = scheduler.get_last_lr()[0]
-                    logger.log(last_train, state.step)
-                    bar.set_postfix(
-                        loss=f"{last_train['train/loss']:.3f}",
-                        acc=f"{last_train.get('train/acc_0', 0):.3f}",
-                        tok_s=f"{last_train['train/tokens_per_s']:.0f}",
-                    )
-                meter.reset()
-                t_window, tokens_window = time.perf_counter(), 0
-            if (
-                eval_src is not None
-                and cfg.eval_every > 0
-                and (state.step % cfg.eval_every == 0 or state.step == total)
-            ):
-                last_eval = evaluate(accelerator, model, features, recipe, eval_src, pad_id)
-                if last_eval:
-                    logger.log(last_eval, state.step)
-            if cfg.save_every > 0 and state.step % cfg.save_every == 0 and state.step < total:
-                checkpoint()
-                saved_at = state.step
-        if saved_at != state.step:
-            checkpoint()
-        final_dir = ckpt_root / "final"
-        if uses_engine_state(accelerator):
-            full = accelerator.get_state_dict(model)
-            if accelerator.is_main_process:
-                fresh = build_head(head_cfg)
-                fresh.load_state_dict(
-                    {k[len("head.") :]: v for k, v in full.items() if k.startswith("head.")}, strict=False
-                )
-                save_head(fresh, final_dir)
-        elif accelerator.is_main_process:
-            save_head(accelerator.unwrap_model(model).head, final_dir)
-        accelerator.wait_for_everyone()
-    finally:
-        bar.close()
-        logger.close()
+def _summary(run: Run) -> dict:
     return {
-        "is_main_process": accelerator.is_main_process,
-        "step": state.step,
-        "total_steps": total,
-        "final_dir": str(ckpt_root / "final"),
-        "train": last_train,
-        "eval": last_eval,
-        "nonfinite_steps": state.nonfinite_total,
-        "settings_changes": state.changes,
+        "is_main_process": run.accelerator.is_main_process,
+        "step": run.state.step,
+        "total_steps": run.total,
+        "final_dir": str(run.recipe.paths.checkpoints / "final"),
+        "train": run.last_train,
+        "eval": run.last_eval,
+        "nonfinite_steps": run.state.nonfinite_total,
+        "settings_changes": run.state.changes,
     }
-
-
-def _mixed_precision(recipe, target, device: str) -> str:
-    """`train.mixed_precision` for this device; `auto` is decided on the head's own
-    multiplies (the target's widths, the draft vocabulary, a batch's tokens)."""
-    from eyas.data.targets import load_target_config
-
-    cfg, t = recipe.train, recipe.target
-    shapes = None
-    if cfg.mixed_precision == "auto" and device == "cpu":
-        config = (
-            target.config
-            if target is not None
-            else load_target_config(t.name_or_path, t.revision, t.trust_remote_code)
-        )
-        shapes = shapes_of_config(config, cfg.batch_tokens, recipe.head.draft_vocab_size)
-    return resolve_mixed_precision(cfg.mixed_precision, device, shapes)
-
-
-def clear_run(paths) -> None:
-    """`--restart`: remove what an earlier run trained (checkpoints, the final head, its
-    metrics and recipe); the prepared data and the cache stay."""
-    import shutil
-
-    shutil.rmtree(paths.checkpoints, ignore_errors=True)
-    for name in ("metrics.jsonl", "recipe.yaml"):
-        (paths.root / name).unlink(missing_ok=True)
-    log.info("--restart: removed the checkpoints, head and metrics of the earlier run in %s", paths.root)

@@ -12,7 +12,15 @@ continue (`--accept-changes`) or to start anew (`--restart`).
 from __future__ import annotations
 
 import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from eyas.data.prepare import read_prepared_digest
+from eyas.train.checkpoint import TrainerState, latest_checkpoint, read_trainer_state
+
+log = logging.getLogger(__name__)
 
 # train.* keys that say how a run is watched, saved or scheduled on the machine, not
 # what it learns: changing them never makes a resumed run another run.
@@ -72,3 +80,67 @@ def changed_settings(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             else:
                 changes.append(f"{key}: {json.dumps(a)} -> {json.dumps(b)}")
     return changes
+
+
+# --- the decision, before the target loads (train/loop.py) -----------------------------
+
+
+@dataclass
+class EarlierRun:
+    """The run directory's newest checkpoint and how this recipe relates to it."""
+
+    settings: dict  # this recipe's `training_settings`
+    latest: Path | None = None
+    saved: TrainerState | None = None
+    finished: bool = False
+    changes: list[str] = field(default_factory=list)  # setting keys that differ from the checkpoint's
+
+
+def read_earlier_run(recipe, accelerator, restart: bool, accept_changes: bool) -> EarlierRun:
+    """Decided before the target loads (minutes for a large one): a finished run is left as
+    it is, a changed one refused, before anything is written. `restart` first deletes what
+    an earlier run trained."""
+    cfg, paths = recipe.train, recipe.paths
+    ckpt_root = paths.checkpoints
+    settings = training_settings(recipe, read_prepared_digest(paths.prepared))
+    if restart and accelerator.is_main_process:
+        clear_run(paths)
+    accelerator.wait_for_everyone()
+    latest = latest_checkpoint(ckpt_root)
+    if latest is None:
+        return EarlierRun(settings)
+    if not cfg.resume:
+        raise RerunRefused(
+            f"{ckpt_root} holds checkpoints of an earlier run and train.resume is false: pass "
+            "--restart to delete them and start anew, or set run_dir to a new directory"
+        )
+    saved = read_trainer_state(latest)
+    finished = saved.total_steps > 0 and saved.step >= saved.total_steps and (ckpt_root / "final").is_dir()
+    changes = changed_settings(saved.settings, settings) if saved.settings else []
+    if not saved.settings:
+        log.warning("%s predates recorded settings: resuming without checking the recipe against it", latest)
+    if changes and not accept_changes:
+        listed = "; ".join(changes)
+        if finished:
+            raise RerunRefused(
+                f"{paths.root} finished training ({saved.step} steps) under other settings than "
+                f"this recipe's ({listed}); nothing was changed. Pass --restart to train anew in "
+                "this run dir (its checkpoints and head are deleted), or set run_dir to a new one"
+            )
+        raise RerunRefused(
+            f"{latest} was trained under other settings than this recipe's ({listed}). Rerun with "
+            "the recipe it was trained with, pass --accept-changes to continue from step "
+            f"{saved.step} under the new ones, or --restart to train anew"
+        )
+    return EarlierRun(settings, latest, saved, finished, changes)
+
+
+def clear_run(paths) -> None:
+    """`--restart`: remove what an earlier run trained (checkpoints, the final head, its
+    metrics and recipe); the prepared data and the cache stay."""
+    import shutil
+
+    shutil.rmtree(paths.checkpoints, ignore_errors=True)
+    for name in ("metrics.jsonl", "recipe.yaml"):
+        (paths.root / name).unlink(missing_ok=True)
+    log.info("--restart: removed the checkpoints, head and metrics of the earlier run in %s", paths.root)
