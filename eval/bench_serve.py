@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyas.eval.bench_report import PLOT_NAME, build_report, format_report, plot_speedup, point_key  # noqa: F401
+from eyas.heads.algorithms import get_algorithm
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class Drafter:
                 "prompt_lookup_max": self.ngram_max,
             }
         cfg = {"method": "eagle3", "model": self.path, "num_speculative_tokens": k}
-        if self.algorithm == "peagle":
+        if get_algorithm(self.algorithm).parallel_drafting:
             cfg["parallel_drafting"] = True
         return cfg
 

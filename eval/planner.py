@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from eyas.acceptance import expected_tokens_per_step
+from eyas.heads.algorithms import get_algorithm
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -275,7 +276,7 @@ def head_size(
 ) -> HeadSize:
     """A head shaped like the target's decoder layers (DESIGN §3/§4): layer 0 reads 2H,
     fc from 3·Ht, lm_head over the draft vocabulary."""
-    layers = num_layers or (1 if algorithm == "eagle3" else 4)
+    layers = num_layers or get_algorithm(algorithm).typical_num_layers
     h, q, kv = target.hidden_size, target.num_heads * target.head_dim, target.num_kv_heads * target.head_dim
     attn0 = 2 * h * (q + 2 * kv) + q * h
     attn = h * (q + 2 * kv) + q * h
@@ -309,11 +310,15 @@ def draft_time(hw: Hardware, head: HeadSize, batch: int, k: int, accepted: float
         return 0.0
     kv = batch * head.kv_per_token * context
     wbytes = head.params * 2
-    if head.algorithm == "peagle":
+    if get_algorithm(head.algorithm).draft_passes(k) == 1:  # parallel drafting
         n = batch * (accepted + k - 1)
         return pass_time(hw, head.num_layers, wbytes, 2 * head.params * n, kv)
     first = pass_time(hw, head.num_layers, wbytes, 2 * head.params * batch * accepted, kv)
     return first + (k - 1) * pass_time(hw, head.num_layers, wbytes, 2 * head.params * batch, kv)
+
+
+def _parallel(algorithm: str) -> bool:
+    return algorithm != "ngram" and get_algorithm(algorithm).parallel_drafting
 
 
 def extend_rates(rates: list[float], k: int) -> list[float]:
@@ -383,7 +388,7 @@ def plan(
 def speculative_config(plan_: Plan, concurrency: int, model: str) -> dict:
     """The vLLM `--speculative-config` for the best K at `concurrency` (DESIGN §5)."""
     cfg = {"method": "eagle3", "model": model, "num_speculative_tokens": plan_.best_k[concurrency]}
-    if plan_.head.algorithm == "peagle":
+    if get_algorithm(plan_.head.algorithm).parallel_drafting:
         cfg["parallel_drafting"] = True
     return cfg
 
@@ -398,7 +403,7 @@ def assumptions(p: Plan) -> list[str]:
         f"{t.num_layers} layers, weights read per token {t.weight_bytes(1) / 1e9:.2f} GB, "
         f"KV {t.kv_bytes(p.context) / 1e6:.1f} MB per sequence at context {p.context}",
         f"head {h.algorithm}: {h.num_layers} layer(s), {h.params / 1e6:.0f}M params (bf16); "
-        + ("K chained draft passes" if h.algorithm == "eagle3" else "one draft pass for all K"),
+        + ("one draft pass for all K" if _parallel(h.algorithm) else "K chained draft passes"),
         "acceptance a_k: "
         + ", ".join(f"{a:.3f}" for a in p.acceptance)
         + " (positions past the measured ones repeat the last measured rate)",

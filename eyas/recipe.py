@@ -18,8 +18,11 @@ from pydantic import (
     NonNegativeInt,
     PositiveInt,
     ValidationError,
+    field_validator,
     model_validator,
 )
+
+from eyas.heads.algorithms import AlgorithmSection
 
 # Drafted tokens per step: vLLM verifies K+1 positions per sequence; past a few dozen no
 # head accepts anything, so a larger K is a typo.
@@ -122,7 +125,7 @@ class DataSection(_Section):
 class HeadSection(_Section):
     """The draft head's shape and options (DESIGN §3, §4)."""
 
-    algorithm: Literal["eagle3", "peagle"] = "eagle3"
+    algorithm: str = "eagle3"  # a registered algorithm (heads/algorithms.py)
     num_layers: int = Field(1, ge=1)
     draft_vocab_size: int = Field(32_000, ge=1)
     hidden_size: PositiveInt | None = None  # None: the target's
@@ -137,6 +140,14 @@ class HeadSection(_Section):
     mask_token_id: NonNegativeInt | None = None  # P-EAGLE only
     speculative_tokens: int = Field(5, ge=1, le=MAX_K)  # K written into the serving config
 
+    @field_validator("algorithm")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        from eyas.heads.algorithms import get_algorithm
+
+        get_algorithm(name)  # an unknown name is refused, naming the known ones
+        return name
+
     @model_validator(mode="after")
     def _exclusive_norms(self) -> HeadSection:
         if self.fc_norm and self.norm_before_fc:
@@ -145,7 +156,12 @@ class HeadSection(_Section):
 
 
 class TrainSection(_Section):
-    """The training loop (DESIGN §2.4)."""
+    """The training loop (DESIGN §2.4). An algorithm's own knobs live in its section,
+    `train.<algorithm>` (`train.eagle3`, `train.peagle`), typed by the algorithm's
+    registered schema (heads/algorithms.py); `section(name)` reads one."""
+
+    # Extra keys are the algorithm sections; any other is refused in `_algorithm_sections`.
+    model_config = ConfigDict(extra="allow")
 
     seed: int = 0
     # A head to start from instead of a fresh one (DESIGN §5.2): a directory or a Hub id
@@ -169,19 +185,7 @@ class TrainSection(_Section):
     grad_accum: int = Field(1, ge=1)
     max_grad_norm: float = Field(0.5, ge=0)  # 0: no clipping
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: as target.dtype auto
-    ttt_steps: int = Field(7, ge=1)
-    ttt_decay: float = Field(0.8, gt=0)
-    # EAGLE-3: weight of the copy supervision of attention head 0 (train/copy_attention.py);
-    # 0 trains on the soft-label loss alone.
-    copy_attention_weight: float = Field(0.0, ge=0)
-    # ... on TTT steps 0..copy_attention_steps-1 (at most ttt_steps)
-    copy_attention_steps: int = Field(1, ge=1)
-    # P-EAGLE (COD sampling, DESIGN §4)
-    num_depths: int = Field(8, ge=1)
-    cod_r: float = Field(0.8, gt=0, le=1)
-    cod_r_min: float = Field(0.2, ge=0, le=1)
-    segment_length: PositiveInt | None = None
-    eval_every: int = Field(500, ge=0)  # 0: only at the end
+    eval_every: int = Field(500, ge=0)  # 0: no held-out loss during training
     save_every: int = Field(500, ge=0)  # 0: only the final checkpoint
     keep_checkpoints: int = Field(2, ge=0)  # 0: keep every checkpoint
     log_every: int = Field(10, ge=1)
@@ -197,6 +201,44 @@ class TrainSection(_Section):
     # on CPU, once its rows are big enough to repay a ~10-30 s first compile; eager on a
     # compile failure. on: on any device. off: eager.
     compile_loss: Literal["auto", "on", "off"] = "auto"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            from eyas.heads.algorithms import algorithm_names, get_algorithm
+
+            home = {
+                key: name for name in algorithm_names() for key in get_algorithm(name).training.model_fields
+            }
+            moved = [f"train.{key} is now train.{home[key]}.{key}" for key in data if key in home]
+            if moved:
+                raise ValueError("; ".join(moved))
+        return data
+
+    @model_validator(mode="after")
+    def _algorithm_sections(self) -> TrainSection:
+        from eyas.heads.algorithms import algorithm_names, get_algorithm
+
+        extra = self.__pydantic_extra__ if self.__pydantic_extra__ is not None else {}
+        unknown = [key for key in extra if key not in algorithm_names()]
+        if unknown:
+            raise ValueError(", ".join(f"unknown key 'train.{key}'" for key in unknown))
+        for name, value in extra.items():
+            if isinstance(value, AlgorithmSection):
+                continue
+            try:
+                extra[name] = get_algorithm(name).training.model_validate(value or {})
+            except ValidationError as err:
+                raise ValueError("; ".join(_section_errors(err, f"train.{name}"))) from None
+        return self
+
+    def section(self, name: str):
+        """The `train.<name>` section of algorithm `name` (its defaults when not written)."""
+        from eyas.heads.algorithms import get_algorithm
+
+        extra = self.__pydantic_extra__ or {}
+        return extra[name] if name in extra else get_algorithm(name).training()
 
 
 class ExportSection(_Section):
@@ -243,17 +285,11 @@ class Recipe(_Section):
     eval: EvalSection = Field(default_factory=EvalSection)
 
     @model_validator(mode="after")
-    def _copy_attention_is_eagle3(self) -> Recipe:
-        if self.train.copy_attention_weight and self.head.algorithm != "eagle3":
-            raise ValueError(
-                f"train.copy_attention_weight supervises the EAGLE-3 head's attention; "
-                f"head.algorithm {self.head.algorithm!r} does not use it (set it to 0)"
-            )
-        if self.train.copy_attention_steps > self.train.ttt_steps:
-            raise ValueError(
-                f"train.copy_attention_steps ({self.train.copy_attention_steps}) exceeds "
-                f"train.ttt_steps ({self.train.ttt_steps}): there is no attention to supervise there"
-            )
+    def _algorithm_section_written(self) -> Recipe:
+        extra = self.train.__pydantic_extra__
+        if extra is not None and self.head.algorithm not in extra:
+            # Written out, so recipe.yaml and the run's settings hold the algorithm's values.
+            extra[self.head.algorithm] = self.train.section(self.head.algorithm)
         return self
 
     @property
@@ -300,6 +336,15 @@ def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
     return parsed
 
 
+def _section_errors(err: ValidationError, prefix: str) -> list[str]:
+    out = []
+    for e in err.errors():
+        loc = ".".join([prefix, *(str(p) for p in e["loc"])])
+        msg = e["msg"].removeprefix("Value error, ")
+        out.append(f"unknown key '{loc}'" if e["type"] == "extra_forbidden" else f"{loc}: {msg}")
+    return out
+
+
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid recipe"]
     for e in err.errors():
@@ -307,7 +352,8 @@ def _format_errors(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             lines.append(f"  unknown key '{loc}'")
         else:
-            lines.append(f"  {loc or '(top)'}: {e['msg']}")
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"  {loc or '(top)'}: {msg}")
     return "\n".join(lines)
 
 

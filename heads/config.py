@@ -9,9 +9,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
-
-Algorithm = Literal["eagle3", "peagle"]
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 
 class DraftHeadConfig(BaseModel):
@@ -24,7 +22,7 @@ class DraftHeadConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    algorithm: Algorithm = "eagle3"
+    algorithm: str = "eagle3"  # a registered algorithm (heads/algorithms.py)
     hidden_size: int
     target_hidden_size: int
     num_attention_heads: int
@@ -50,6 +48,14 @@ class DraftHeadConfig(BaseModel):
     target_architectures: list[str] = ["LlamaForCausalLM"]
     verifier_name_or_path: str | None = None
 
+    @field_validator("algorithm")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        from eyas.heads.algorithms import get_algorithm
+
+        get_algorithm(name)  # an unknown name is refused, naming the known ones
+        return name
+
     @model_validator(mode="after")
     def _check(self) -> DraftHeadConfig:
         ids = self.aux_layer_ids
@@ -67,7 +73,7 @@ class DraftHeadConfig(BaseModel):
             raise ValueError(
                 f"draft_vocab_size {self.draft_vocab_size} must be in 1..vocab_size={self.vocab_size}"
             )
-        if self.algorithm == "peagle":
+        if self.algorithm_spec.needs_mask_token:
             if self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size:
                 raise ValueError(
                     f"a P-EAGLE head needs a mask_token_id inside the vocabulary, got {self.mask_token_id}"
@@ -89,7 +95,14 @@ class DraftHeadConfig(BaseModel):
     @property
     def trains_embedding(self) -> bool:
         """P-EAGLE learns the mask-token row, so its embedding trains (and is exported)."""
-        return self.algorithm == "peagle"
+        return self.algorithm_spec.trains_embedding
+
+    @property
+    def algorithm_spec(self):
+        """The registered `Algorithm` of this head."""
+        from eyas.heads.algorithms import get_algorithm
+
+        return get_algorithm(self.algorithm)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.model_dump(mode="json"), indent=2) + "\n")
@@ -111,7 +124,7 @@ def head_config_from_target(
     *,
     aux_layer_ids: list[int],
     draft_vocab_size: int,
-    algorithm: Algorithm = "eagle3",
+    algorithm: str = "eagle3",
     num_hidden_layers: int = 1,
     hidden_size: int | None = None,
     intermediate_size: int | None = None,

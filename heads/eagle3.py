@@ -8,8 +8,10 @@ copy: `fc`, `layers.{i}.*`, `norm`, `lm_head`, `d2t`, `t2d`, `embed_tokens`,
 from __future__ import annotations
 
 import torch
+from pydantic import Field, model_validator
 from torch import nn
 
+from eyas.heads.algorithms import Algorithm, AlgorithmSection, register
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.layers import DecoderLayer, HeadCache, RMSNorm
 from eyas.sampling import sample_tokens
@@ -148,3 +150,35 @@ class Eagle3Head(nn.Module):
                 logits, hid = self.forward_step(ids[-1][:, None], hid, pos + j + 1, cache)
         cache.crop(base)
         return torch.stack(ids, dim=1), torch.stack(all_logits, dim=1)
+
+
+class Eagle3Training(AlgorithmSection):
+    """`train.eagle3`: the training-time test (DESIGN §3)."""
+
+    ttt_steps: int = Field(7, ge=1)
+    ttt_decay: float = Field(0.8, gt=0)
+    # Weight of the copy supervision of attention head 0 (train/copy_attention.py); 0 trains
+    # on the soft-label loss alone.
+    copy_attention_weight: float = Field(0.0, ge=0)
+    # ... on TTT steps 0..copy_attention_steps-1 (at most ttt_steps)
+    copy_attention_steps: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _copy_steps_within_ttt(self) -> Eagle3Training:
+        if self.copy_attention_steps > self.ttt_steps:
+            raise ValueError(
+                f"copy_attention_steps ({self.copy_attention_steps}) exceeds ttt_steps "
+                f"({self.ttt_steps}): there is no attention to supervise there"
+            )
+        return self
+
+
+EAGLE3 = register(
+    Algorithm(
+        name="eagle3",
+        head_class=Eagle3Head,
+        training=Eagle3Training,
+        loss="eyas.train.algorithms:eagle3_loss",
+        speculators_architecture="Eagle3Speculator",
+    )
+)

@@ -159,7 +159,7 @@ def export_checkpoint(
 def serve_command(out_dir: str | Path, cfg: DraftHeadConfig) -> str:
     """The `vllm serve` line for this head (DESIGN §5)."""
     spec = {"method": "eagle3", "model": str(out_dir), "num_speculative_tokens": cfg.speculative_tokens}
-    if cfg.algorithm == "peagle":
+    if cfg.algorithm_spec.parallel_drafting:
         spec["parallel_drafting"] = True
     target = cfg.verifier_name_or_path or "<target>"
     return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from eyas.heads.algorithms import algorithm_names, get_algorithm
 from eyas.heads.export import CONFIG_NAME, ExportFormatError
 from eyas.heads.io import CONFIG_NAME as EYAS_CONFIG
 from eyas.heads.serving_config import (
@@ -309,7 +310,7 @@ def read_fields(
     if not _is_int(target_layers) and aux:
         target_layers = max(aux) + 1  # the least a target must have
 
-    mask_id = _read_mask(top, vt, invalid, problems) if algo == "peagle" else None
+    mask_id = _read_mask(top, vt, invalid, problems) if _needs_mask(algo) else None
     if target is not None:
         archs = archs or list(target.architectures)
     model_type = eyas.target_model_type or (target.model_type if target is not None else "llama")
@@ -345,6 +346,10 @@ def read_fields(
 
 
 # --- the directory ---------------------------------------------------------------------
+
+
+def _needs_mask(algo) -> bool:
+    return algo in algorithm_names() and get_algorithm(algo).needs_mask_token
 
 
 def read_head_dir(head_dir: str | Path, target: TargetFacts | None = None) -> HeadDir:

@@ -68,7 +68,8 @@ def write_training_summary(checkpoint_dir: str | Path, out_dir: str | Path) -> P
             "max_length": data.get("max_length"),
             "steps": max(steps) if steps else train.get("max_steps"),
             "learning_rate": train.get("learning_rate"),
-            "ttt_steps": train.get("ttt_steps"),
+            # recipe.yaml of an older run holds it flat, a current one in train.eagle3
+            "ttt_steps": (train.get("eagle3") or {}).get("ttt_steps", train.get("ttt_steps")),
         }
     out = Path(out_dir) / TRAINING_SUMMARY
     out.write_text(json.dumps(summary, indent=2) + "\n")

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eyas.heads.algorithms import build_head
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
-from eyas.heads.peagle import build_head
 
 CONFIG_NAME = "head_config.json"
 WEIGHTS_NAME = "head.safetensors"

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 
+from eyas.heads.algorithms import build_head
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.export import ExportFormatError
 from eyas.heads.head_dir import TargetFacts, detect_format, read_head_dir
 from eyas.heads.head_weights import canonical_tensors
 from eyas.heads.io import load_head
-from eyas.heads.peagle import build_head
 from eyas.heads.validate import ExportValidationError, inspect_export
 
 log = logging.getLogger(__name__)

@@ -7,8 +7,10 @@ vector standing for the missing target features *before* `fc`.
 from __future__ import annotations
 
 import torch
+from pydantic import Field, PositiveInt
 from torch import nn
 
+from eyas.heads.algorithms import Algorithm, AlgorithmSection, register
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.layers import HeadCache
@@ -102,6 +104,25 @@ def choose_mask_token_id(
     )
 
 
-def build_head(config: DraftHeadConfig) -> Eagle3Head:
-    """The head class for `config.algorithm`."""
-    return PEagleHead(config) if config.algorithm == "peagle" else Eagle3Head(config)
+class PEagleTraining(AlgorithmSection):
+    """`train.peagle`: COD sampling over the draft depths (DESIGN §4)."""
+
+    num_depths: int = Field(8, ge=1)
+    cod_r: float = Field(0.8, gt=0, le=1)
+    cod_r_min: float = Field(0.2, ge=0, le=1)
+    segment_length: PositiveInt | None = None
+
+
+PEAGLE = register(
+    Algorithm(
+        name="peagle",
+        head_class=PEagleHead,
+        training=PEagleTraining,
+        loss="eyas.train.cod:peagle_loss",
+        speculators_architecture="PEagleSpeculator",
+        parallel_drafting=True,
+        trains_embedding=True,
+        needs_mask_token=True,
+        typical_num_layers=4,
+    )
+)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -30,12 +31,20 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
+from eyas.heads.algorithms import algorithm_names, get_algorithm
 from eyas.heads.config import DraftHeadConfig
 
+
+def _registered(name: str) -> str:
+    if name not in algorithm_names():
+        raise ValueError(f"not a registered algorithm ({', '.join(algorithm_names())})")
+    return name
+
+
+AlgorithmName = Annotated[StrictStr, AfterValidator(_registered)]
+
 SPECULATORS_VERSION = "0.3.0"
-SPECULATORS_ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}
 EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle3"
-ALGORITHMS = ("eagle3", "peagle")
 # HF LlamaConfig's defaults, which vLLM applies to a head config that leaves them out.
 LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "rope_theta": 10000.0}
 
@@ -151,7 +160,7 @@ class EyasBlock(_Schema):
 class EyasEagleBlock(EyasBlock):
     """The EAGLE layout has no speculators block: the head's algorithm, K and verifier live here."""
 
-    algorithm: Literal["eagle3", "peagle"] | None = _field(None, expected="'eagle3' or 'peagle'")
+    algorithm: AlgorithmName | None = _field(None, expected="'eagle3' or 'peagle'")
     speculative_tokens: StrictInt | None = None
     verifier_name_or_path: StrictStr | None = None
     target_architectures: list[StrictStr] | None = None
@@ -179,7 +188,7 @@ class SpeculatorsServingConfig(_Schema):
     """config.json of the speculators layout (no top-level `model_type`)."""
 
     architectures: list[StrictStr] = _field(expected="a non-empty list of strings", min_length=1)
-    speculators_model_type: Literal["eagle3", "peagle"] = _field(expected="'eagle3' or 'peagle'")
+    speculators_model_type: AlgorithmName = _field(expected="'eagle3' or 'peagle'")
     speculators_version: StrictStr = _field(expected="a non-empty string", min_length=1)
     transformer_layer_config: TransformerLayerConfig = _field(expected="an object")
     draft_vocab_size: StrictInt = _field(None, **_DRAFT_VOCAB)
@@ -237,7 +246,8 @@ ServingConfig = SpeculatorsServingConfig | EagleServingConfig
 
 
 def build_layer(cfg: DraftHeadConfig) -> TransformerLayerConfig:
-    peagle = cfg.algorithm == "peagle"
+    # vLLM's P-EAGLE (parallel drafting) reader copies neither option from the top level.
+    peagle = cfg.algorithm_spec.parallel_drafting
     return TransformerLayerConfig(
         model_type="llama",
         architectures=["LlamaForCausalLM"],
@@ -264,7 +274,7 @@ def build_layer(cfg: DraftHeadConfig) -> TransformerLayerConfig:
 
 def _head_fields(cfg: DraftHeadConfig) -> dict[str, Any]:
     """The top-level head fields both layouts write."""
-    mask = cfg.mask_token_id if cfg.algorithm == "peagle" else None
+    mask = cfg.mask_token_id if cfg.algorithm_spec.needs_mask_token else None
     return dict(
         draft_vocab_size=cfg.draft_vocab_size,
         target_hidden_size=cfg.target_hidden_size,
@@ -299,7 +309,7 @@ def build_speculators(
         accept_tolerance=0.0,
     )
     return SpeculatorsServingConfig(
-        architectures=[SPECULATORS_ARCHITECTURES[cfg.algorithm]],
+        architectures=[get_algorithm(cfg.algorithm).speculators_architecture],
         speculators_model_type=cfg.algorithm,
         speculators_version=SPECULATORS_VERSION,
         transformer_layer_config=build_layer(cfg),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from eyas.heads.algorithms import algorithm_names, get_algorithm
 from eyas.heads.export import ExportFormatError
 from eyas.heads.head_dir import HeadDir, TargetFacts, _is_int, read_head_dir
 from eyas.heads.head_weights import canonical_tensors, read_tensors
@@ -57,9 +58,10 @@ def expected_shapes(f: dict) -> dict[str, tuple[int, ...]]:
         shapes.update({f"fc_norm.{i}.weight": (ht,) for i in range(n)})
     if f["before_fc"]:
         shapes["input_norm.weight"] = (n * ht,)
-    if f["algo"] == "peagle":
+    algo = get_algorithm(f["algo"]) if f["algo"] in algorithm_names() else None
+    if algo is not None and algo.needs_mask_token:
         shapes["mask_hidden"] = (1, n * ht)
-    if f["algo"] == "peagle" or h != ht:
+    if (algo is not None and algo.trains_embedding) or h != ht:
         shapes["embed_tokens.weight"] = (vt, h)
     return shapes
 

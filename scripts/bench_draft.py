@@ -22,8 +22,8 @@ import time
 import torch
 
 from eyas.allocator import keep_freed_memory
+from eyas.heads.algorithms import build_head
 from eyas.heads.config import DraftHeadConfig
-from eyas.heads.peagle import build_head
 
 
 def smollm2_head(algorithm: str, layers: int, draft_vocab: int) -> DraftHeadConfig:

@@ -82,13 +82,13 @@ def main() -> None:
         "--copy-attention-weight",
         type=float,
         default=0.0,
-        help="train.copy_attention_weight (the quickstart recipe uses 1.0)",
+        help="train.eagle3.copy_attention_weight (the quickstart recipe uses 1.0)",
     )
     ap.add_argument(
         "--copy-attention-steps",
         type=int,
         default=1,
-        help="train.copy_attention_steps: TTT steps whose attention is supervised",
+        help="train.eagle3.copy_attention_steps: TTT steps whose attention is supervised",
     )
     ap.add_argument("--modes", default="offline,online")
     ap.add_argument(
@@ -127,10 +127,10 @@ def main() -> None:
     recipe = load_recipe(
         os.path.join(root, "recipes", "smollm2-135m-eagle3.yaml"),
         [
-            f"train.ttt_steps={args.ttt}",
+            f"train.eagle3.ttt_steps={args.ttt}",
             f"head.draft_vocab_size={args.draft_vocab}",
-            f"train.copy_attention_weight={args.copy_attention_weight}",
-            f"train.copy_attention_steps={args.copy_attention_steps}",
+            f"train.eagle3.copy_attention_weight={args.copy_attention_weight}",
+            f"train.eagle3.copy_attention_steps={args.copy_attention_steps}",
         ],
     )
     target = load_target("smollm2-135m", args.dtype, "cpu")

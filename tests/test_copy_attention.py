@@ -151,12 +151,15 @@ def test_eagle3_loss_adds_the_weighted_copy_term(weight):
     b, t = batch["input_ids"].shape
     logits = torch.randn(b, t, 64)
     labels = TargetLabels(logits=logits, argmax=logits.argmax(-1), valid=torch.ones(b, t, dtype=torch.bool))
-    base = eagle3_loss(head, batch, labels, TrainSection(ttt_steps=2, compile_loss="off")).loss
+    base = eagle3_loss(head, batch, labels, TrainSection(compile_loss="off", eagle3={"ttt_steps": 2})).loss
     got = eagle3_loss(
         head,
         batch,
         labels,
-        TrainSection(ttt_steps=2, compile_loss="off", copy_attention_steps=2, copy_attention_weight=weight),
+        TrainSection(
+            compile_loss="off",
+            eagle3={"ttt_steps": 2, "copy_attention_steps": 2, "copy_attention_weight": weight},
+        ),
     ).loss
     expected = base + weight * _copy_loss(head, batch, steps=2, decay=0.8)[0]
     assert torch.allclose(got, expected)

@@ -24,13 +24,9 @@ from eyas.train.build import build_trainable_head
 from eyas.train.losses import target_labels
 
 TRAIN_CFG = TrainSection(
-    ttt_steps=3,
-    ttt_decay=0.8,
-    num_depths=4,
-    cod_r=0.8,
-    cod_r_min=0.2,
-    segment_length=None,
     compile_loss="off",
+    eagle3={"ttt_steps": 3, "ttt_decay": 0.8},
+    peagle={"num_depths": 4, "cod_r": 0.8, "cod_r_min": 0.2, "segment_length": None},
 )
 
 

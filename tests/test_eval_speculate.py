@@ -12,8 +12,8 @@ from eyas.data.targets import compute_features, load_target, target_norm_and_lm_
 from eyas.eval.ngram import NgramDrafter
 from eyas.eval.report import summarize
 from eyas.eval.speculate import HeadDrafter, greedy_decode, rejection_sample, speculative_decode
+from eyas.heads.algorithms import build_head
 from eyas.heads.config import head_config_from_target
-from eyas.heads.peagle import build_head
 
 H, CONST = 64, 16  # the tiny targets' hidden size; embedding coords 0..15 are constant
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from eyas.heads.algorithms import build_head
 from eyas.heads.config import DraftHeadConfig
-from eyas.heads.peagle import build_head
 
 VT, HT = 320, 64
 

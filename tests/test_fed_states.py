@@ -112,14 +112,9 @@ def test_zero_states_after_the_fed_tokens_leave_loss_and_gradients_unchanged(lla
     for r, m in enumerate(fed_len):
         tail[r, m:] = True
     train_cfg = TrainSection(
-        ttt_steps=3,
-        ttt_decay=0.8,
-        num_depths=4,
-        cod_r=0.8,
-        cod_r_min=0.2,
-        segment_length=None,
         compile_loss="off",
-        copy_attention_weight=1.0,
+        eagle3={"ttt_steps": 3, "ttt_decay": 0.8, "copy_attention_weight": 1.0},
+        peagle={"num_depths": 4, "cod_r": 0.8, "cod_r_min": 0.2, "segment_length": None},
     )
     loss_fn = loss_function(algorithm)
     norm, lm_head = target_norm_and_lm_head(model)

@@ -113,16 +113,30 @@ def test_exclusive_norm_options_rejected():
         recipe_from_dict({"head": {"fc_norm": True, "norm_before_fc": True}})
 
 
-def test_copy_attention_only_for_eagle3_and_not_negative():
+def test_algorithm_keys_live_in_their_section_and_flat_keys_name_the_new_one():
+    with pytest.raises(
+        RecipeError, match=r"train\.copy_attention_weight is now train\.eagle3\.copy_attention_weight"
+    ):
+        recipe_from_dict({"train": {"copy_attention_weight": 1.0}})
+    with pytest.raises(RecipeError, match=r"train\.num_depths is now train\.peagle\.num_depths"):
+        recipe_from_dict({}, overrides=["train.num_depths=4"])
+    with pytest.raises(RecipeError, match=r"unknown key 'train\.peagle\.num_depth'"):
+        recipe_from_dict({"train": {"peagle": {"num_depth": 4}}})
+    with pytest.raises(
+        RecipeError, match="head.algorithm: unknown algorithm 'eagle4'; known: eagle3, peagle"
+    ):
+        recipe_from_dict({"head": {"algorithm": "eagle4"}})
     with pytest.raises(RecipeError, match="copy_attention_weight"):
-        recipe_from_dict(
-            {"head": {"algorithm": "peagle", "mask_token_id": 3}, "train": {"copy_attention_weight": 1.0}}
-        )
-    with pytest.raises(RecipeError, match="copy_attention_weight"):
-        recipe_from_dict({"train": {"copy_attention_weight": -1.0}})
-    assert recipe_from_dict({"train": {"copy_attention_weight": 1.0}}).train.copy_attention_weight == 1.0
+        recipe_from_dict({"train": {"eagle3": {"copy_attention_weight": -1.0}}})
+    # the selected algorithm's section is written out with its defaults (recipe.yaml, settings)
+    tree = recipe_from_dict({"head": {"algorithm": "peagle"}}).model_dump(mode="json")
+    assert tree["train"]["peagle"]["num_depths"] == 8 and "eagle3" not in tree["train"]
+    recipe = recipe_from_dict({"train": {"eagle3": {"copy_attention_weight": 1.0}}})
+    assert recipe.train.section("eagle3").copy_attention_weight == 1.0
     with pytest.raises(RecipeError, match="copy_attention_steps"):
-        recipe_from_dict({"train": {"copy_attention_weight": 1.0, "ttt_steps": 3, "copy_attention_steps": 4}})
+        recipe_from_dict(
+            {"train": {"eagle3": {"copy_attention_weight": 1.0, "ttt_steps": 3, "copy_attention_steps": 4}}}
+        )
 
 
 def test_packaged_file_names_the_install_command(tmp_path):
@@ -152,8 +166,8 @@ def test_packaged_file_names_the_install_command(tmp_path):
         "train.save_every=-1",
         "train.eval_every=-5",
         "train.keep_checkpoints=-1",
-        "train.cod_r=1.5",
-        "train.ttt_steps=0",
+        "train.peagle.cod_r=1.5",
+        "train.eagle3.ttt_steps=0",
         "data.eval_fraction=-0.1",
         "data.eval_fraction=1",
         "data.eval_fraction=1.5",

@@ -89,7 +89,7 @@ def test_segments_give_the_unsegmented_loss_and_gradients():
     labels = _random_labels(batch["attention_mask"], V, torch.Generator().manual_seed(0))
     results = []
     for seg in (None, 5):
-        cfg = TrainSection(num_depths=4, cod_r=0.8, cod_r_min=0.2, segment_length=seg)
+        cfg = TrainSection(peagle={"num_depths": 4, "cod_r": 0.8, "cod_r_min": 0.2, "segment_length": seg})
         head.zero_grad()
         stats = peagle_loss(head, batch, labels, cfg, torch.Generator().manual_seed(9))
         stats.loss.backward()
@@ -179,7 +179,7 @@ def test_peagle_loss_overfits_one_batch_of_a_tiny_target(tiny_llama_dir):
     # (temperature 1/4) gives its argmax a margin a few hundred steps can learn.
     labels.logits *= 4
     batch = {"input_ids": ids, "attention_mask": am, "loss_mask": am, "aux": aux, "last": last}
-    train_cfg = TrainSection(num_depths=3, cod_r=0.8, cod_r_min=0.2)
+    train_cfg = TrainSection(peagle={"num_depths": 3, "cod_r": 0.8, "cod_r_min": 0.2})
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # matrices this small only lose time to threading
@@ -192,7 +192,11 @@ def test_peagle_loss_overfits_one_batch_of_a_tiny_target(tiny_llama_dir):
         # every element this time (r = r_min = 1)
         with torch.no_grad():
             stats = peagle_loss(
-                head, batch, labels, TrainSection(num_depths=3, cod_r=1.0, cod_r_min=1.0), gen
+                head,
+                batch,
+                labels,
+                TrainSection(peagle={"num_depths": 3, "cod_r": 1.0, "cod_r_min": 1.0}),
+                gen,
             )
     finally:
         torch.set_num_threads(threads)

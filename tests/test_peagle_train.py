@@ -36,10 +36,10 @@ def test_peagle_recipe_is_a_valid_peagle_run(path):
     recipe = load_recipe(path)
     assert recipe.head.algorithm == "peagle"
     assert 2 <= recipe.head.num_layers <= 4
-    assert 8 <= recipe.train.num_depths <= 10
+    assert 8 <= recipe.train.section("peagle").num_depths <= 10
     # a served K deeper than the trained depths would draft from untrained mask slots
-    assert recipe.head.speculative_tokens <= recipe.train.num_depths
-    assert 0 < recipe.train.cod_r_min <= recipe.train.cod_r < 1
+    assert recipe.head.speculative_tokens <= recipe.train.section("peagle").num_depths
+    assert 0 < recipe.train.section("peagle").cod_r_min <= recipe.train.section("peagle").cod_r < 1
     head_lines = path.read_text().splitlines()[:4]
     assert any("accelerate launch" in line and str(path.relative_to(REPO)) in line for line in head_lines)
 
@@ -70,11 +70,9 @@ def test_peagle_sigkill_then_resume_matches_uninterrupted_run(tmp_path, tiny_lla
             save_every=3,
             eval_every=0,
             log_every=5,
-            num_depths=3,
-            cod_r=0.7,
-            cod_r_min=0.2,
-            segment_length=8,
+            peagle={"num_depths": 3, "cod_r": 0.7, "cod_r_min": 0.2, "segment_length": 8},
         )
+        tree["train"].pop("eagle3", None)
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(tree))
         run = Path(tree["run_dir"])

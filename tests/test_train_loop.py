@@ -96,7 +96,9 @@ def test_repeated_nonfinite_losses_stop_with_checkpoint(online_run, tmp_path, mo
     def nan_loss(head, batch, labels, cfg, generator=None):
         from eyas.train.reference import ttt_loss
 
-        stats = ttt_loss(head, batch, labels, cfg.ttt_steps, cfg.ttt_decay)
+        stats = ttt_loss(
+            head, batch, labels, cfg.section("eagle3").ttt_steps, cfg.section("eagle3").ttt_decay
+        )
         stats.loss = stats.loss * float("nan")
         return stats
 

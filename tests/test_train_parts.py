@@ -132,7 +132,7 @@ def test_meter_reports_named_loss_terms_as_batch_means():
 
 def test_registry():
     assert loss_function("eagle3") is eagle3_loss
-    with pytest.raises(ValueError, match="unknown training algorithm 'nope'"):
+    with pytest.raises(ValueError, match="unknown algorithm 'nope'"):
         loss_function("nope")
 
 

@@ -46,7 +46,7 @@ def tiny_recipe(run_dir: Path, target_dir: Path, features: str = "offline", **tr
         "train": {
             "batch_tokens": 512,
             "max_batch_size": 8,
-            "ttt_steps": 3,
+            "eagle3": {"ttt_steps": 3},
             "warmup_steps": 2,
             "log_every": 1,
             "eval_every": 4,

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from eyas.data.targets import default_aux_layer_ids, target_norm_and_lm_head, text_config
+from eyas.heads.algorithms import build_head, get_algorithm
 from eyas.heads.config import DraftHeadConfig, head_config_from_target
 from eyas.heads.eagle3 import Eagle3Head
-from eyas.heads.peagle import build_head, choose_mask_token_id
+from eyas.heads.peagle import choose_mask_token_id
 from eyas.heads.vocab import build_vocab_map
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def head_config_for(
             h.draft_vocab_size,
             vocab,
         )
-    if h.algorithm == "peagle":
+    if get_algorithm(h.algorithm).needs_mask_token:
         mask_id = choose_mask_token_id(
             tokenizer, text_config(target_config).vocab_size, explicit=mask_id, token_freqs=token_freqs
         )

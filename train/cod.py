@@ -176,18 +176,20 @@ def peagle_loss(
     element whose label slot is valid, with per-depth losses, hits and counts.
 
     batch: input_ids / attention_mask [B, T], aux [B, T, n·Ht]; labels from
-    `target_labels`; train_cfg: num_depths, cod_r, cod_r_min, segment_length (anchors per
-    segment; None = one segment). The caller runs one backward on `stats.loss` as for any
+    `target_labels`; train_cfg.section("peagle"): num_depths, cod_r, cod_r_min,
+    segment_length (anchors per segment; None = one segment). The caller runs one backward
+    on `stats.loss` as for any
     algorithm. With several segments each one's forward runs under activation
     checkpointing, so only one segment's activations are alive at a time (recomputed
     during that backward); the loss and gradients equal the unsegmented ones.
     """
     input_ids, am, aux = batch["input_ids"], batch["attention_mask"], batch["aux"]
     t = input_ids.shape[1]
-    depths = train_cfg.num_depths
-    keep = cod_grid(am, depths, train_cfg.cod_r, train_cfg.cod_r_min, generator)
+    cfg = train_cfg.section("peagle")
+    depths = cfg.num_depths
+    keep = cod_grid(am, depths, cfg.cod_r, cfg.cod_r_min, generator)
     total = max(int(element_label_slots(compact(keep, t), labels)[1].sum()), 1)
-    segments = list(segment_keeps(keep, t, depths, train_cfg.segment_length))
+    segments = list(segment_keeps(keep, t, depths, cfg.segment_length))
     loss_sum = torch.zeros(depths, dtype=torch.float64)
     hits = torch.zeros(depths, dtype=torch.long)
     counts = torch.zeros(depths, dtype=torch.long)

@@ -117,7 +117,7 @@ def sum_counts_over_ranks(accelerator, meter) -> None:
 def trained_head(accelerator, model, head_cfg):
     """The trained head on the main process, None on the others (every rank calls this:
     under DeepSpeed / FSDP gathering the sharded weights is a collective)."""
-    from eyas.heads.peagle import build_head
+    from eyas.heads.algorithms import build_head
 
     if uses_engine_state(accelerator):
         full = accelerator.get_state_dict(model)

@@ -29,6 +29,7 @@ from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from eyas.eval.planner import HARDWARE, TARGETS
+    from eyas.heads.algorithms import algorithm_names
 
     add_recipe_arguments(parser)
     parser.add_argument(
@@ -54,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--target-params",
         help=f"one of {', '.join(TARGETS)}, or key=value sizes (total_params=8e9,num_layers=32,...)",
     )
-    parser.add_argument("--algorithm", choices=["eagle3", "peagle"], help="default: the report's head")
+    parser.add_argument("--algorithm", choices=algorithm_names(), help="default: the report's head")
     parser.add_argument(
         "--compare",
         action="store_true",
