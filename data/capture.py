@@ -28,7 +28,9 @@ from eyas.data.cache import (
     sha256_bytes,
     write_manifest,
 )
-from eyas.data.targets import compute_features, text_config
+from eyas.recipe import RunPaths
+from eyas.target.features import compute_features
+from eyas.target.load import text_config
 
 log = logging.getLogger(__name__)
 
@@ -313,13 +315,14 @@ def capture(
     their directory is removed once every prepared split is captured."""
     from eyas.data.fed_states import FED_STATES_DIR, FedStates, fed_state_layer_ids
     from eyas.data.prepare import load_prepared, read_prepared_digest
-    from eyas.data.targets import default_aux_layer_ids, load_target
+    from eyas.target.features import default_aux_layer_ids
+    from eyas.target.load import load_target
 
     if recipe.data.features == "online":
         say("capture: data.features=online: the trainer computes the features itself; nothing to capture")
         return {}
     prepared, cache = recipe.paths.prepared, recipe.paths.cache
-    if not (prepared / "dataset").is_dir():
+    if not (prepared / RunPaths.DATASET).is_dir():
         raise CaptureError(f"no prepared data at {prepared}; run `eyas prepare` first")
     dd = load_prepared(prepared)
     splits = [s for s in splits if s in dd]  # an empty eval split is not written

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eyas.assets import packaged_file
+from eyas.core.assets import packaged_file
+from eyas.core.hub_ids import looks_like_hub_id
 from eyas.data.humaneval import HUMANEVAL_SPLITS, humaneval_rows, is_humaneval
-from eyas.hub_ids import looks_like_hub_id
 
 log = logging.getLogger(__name__)
 

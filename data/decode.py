@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from eyas.data.targets import capture_aux, stop_token_ids
-from eyas.sampling import sample_tokens
+from eyas.core.sampling import sample_tokens
+from eyas.target.features import capture_aux
+from eyas.target.load import stop_token_ids
 
 
 @functools.cache

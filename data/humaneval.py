@@ -13,7 +13,7 @@ import gzip
 import json
 from pathlib import Path
 
-from eyas.assets import packaged_file
+from eyas.core.assets import packaged_file
 
 HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
 HUMANEVAL_SPLITS = {"humaneval": None, "humaneval:train": "train", "humaneval:test": "test"}

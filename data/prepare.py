@@ -27,6 +27,7 @@ import torch
 
 from eyas.data.conversations import DropReport, NoUsableDataError, read_conversations
 from eyas.data.templates import TemplateError, render_with_mask
+from eyas.recipe import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ def prepare(recipe, out_dir: Path | None = None, tokenizer=None, target=None, pr
     import datasets
     from safetensors.torch import save_file
 
-    from eyas.data.targets import load_target, load_tokenizer
+    from eyas.target.load import load_target, load_tokenizer
 
     cfg = recipe.data
     out_dir = Path(out_dir or recipe.paths.prepared)
@@ -147,7 +148,7 @@ def prepare(recipe, out_dir: Path | None = None, tokenizer=None, target=None, pr
         tokenizer = tokenizer or load_tokenizer(
             recipe.target.name_or_path, recipe.target.revision, recipe.target.trust_remote_code
         )
-        conversations = regenerate(conversations, tokenizer, out_dir / "regenerated.jsonl", **kwargs)
+        conversations = regenerate(conversations, tokenizer, out_dir / RunPaths.REGENERATED, **kwargs)
         if report.token_checks:
             log.info("regenerated turns against the server's token ids: %s", dict(report.token_checks))
         # Regeneration ends a conversation before a prompt too long to fit max_length, or
@@ -171,7 +172,7 @@ def prepare(recipe, out_dir: Path | None = None, tokenizer=None, target=None, pr
         progress,
         truncate=cfg.over_length == "truncate",
     )
-    (out_dir / "drop_report.json").write_text(json.dumps(report.as_dict(), indent=1) + "\n")
+    (out_dir / RunPaths.DROP_REPORT).write_text(json.dumps(report.as_dict(), indent=1) + "\n")
     log.info("prepared: %s", report.summary())
     if not ids:
         raise NoUsableDataError(f"no conversation survived rendering: {report.summary()}")
@@ -200,17 +201,17 @@ def prepare(recipe, out_dir: Path | None = None, tokenizer=None, target=None, pr
     dd = datasets.DatasetDict(
         {name: split(idx) for name, idx in (("train", train_idx), ("eval", eval_idx)) if idx}
     )
-    dd.save_to_disk(str(out_dir / "dataset"))
+    dd.save_to_disk(str(out_dir / RunPaths.DATASET))
     # The held-out conversations as an eval workload (`eyas eval --workload <this file>`):
     # what the trainer's held-out accuracy predicts, beside MT-bench's shift of topic.
-    with open(out_dir / "eval_prompts.jsonl", "w", encoding="utf-8") as f:
+    with open(out_dir / RunPaths.EVAL_PROMPTS, "w", encoding="utf-8") as f:
         for i in eval_idx:
             f.write(
                 json.dumps({"id": f"eval-{i}", "messages": conversations[kept[i]]}, ensure_ascii=False) + "\n"
             )
     vocab = max(len(tokenizer), max(max(r) for r in ids) + 1, _config_vocab_size(recipe))
     freqs = token_frequencies([ids[i] for i in train_idx], [masks[i] for i in train_idx], vocab)
-    save_file({"freqs": freqs}, str(out_dir / "token_freqs.safetensors"))
+    save_file({"freqs": freqs}, str(out_dir / RunPaths.TOKEN_FREQS))
     meta = {
         "digest": prepared_digest({"train": train_idx, "eval": eval_idx}, ids, masks),
         "target": recipe.target.name_or_path,
@@ -223,7 +224,7 @@ def prepare(recipe, out_dir: Path | None = None, tokenizer=None, target=None, pr
         "train_on": cfg.train_on,
         "drop_report": report.as_dict(),
     }
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (out_dir / RunPaths.PREPARED_META).write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
 
@@ -257,7 +258,7 @@ def regeneration_kwargs(recipe, target, out_dir: Path, report: DropReport, progr
         )
     elif rg.keep_states:
         from eyas.data.fed_states import FED_STATES_DIR, fed_state_layer_ids
-        from eyas.data.targets import default_aux_layer_ids
+        from eyas.target.features import default_aux_layer_ids
 
         states_dir = out_dir / FED_STATES_DIR
         layer_ids = fed_state_layer_ids(
@@ -289,10 +290,12 @@ def server_settings(rg, out_dir: Path):
 
     engine = None
     if rg.launch:
-        from eyas.engine_process import launched_engine
+        from eyas.core.engine_process import launched_engine
 
         def engine():
-            return launched_engine(rg.launch, rg.server_urls, out_dir / "engine.log", rg.launch_timeout_s)
+            return launched_engine(
+                rg.launch, rg.server_urls, out_dir / RunPaths.ENGINE_LOG, rg.launch_timeout_s
+            )
 
     return ServerSettings(
         urls=list(rg.server_urls),
@@ -313,7 +316,7 @@ def _config_vocab_size(recipe) -> int:
     so the frequency vector lines up with the LM head."""
     from transformers import AutoConfig
 
-    from eyas.data.targets import resolve_target_path, text_config
+    from eyas.target.load import resolve_target_path, text_config
 
     try:
         cfg = AutoConfig.from_pretrained(
@@ -342,7 +345,7 @@ def prepared_digest(splits: dict[str, list[int]], ids: list[list[int]], masks: l
 def read_prepared_digest(path: str | Path) -> str | None:
     """The digest in a prepared directory's meta.json (None: no meta.json, or written
     before digests were recorded)."""
-    meta = Path(path) / "meta.json"
+    meta = Path(path) / RunPaths.PREPARED_META
     if not meta.is_file():
         return None
     try:
@@ -357,8 +360,8 @@ def load_prepared(path: str | Path):
     import datasets
 
     path = Path(path)
-    if (path / "dataset").is_dir():
-        path = path / "dataset"
+    if (path / RunPaths.DATASET).is_dir():
+        path = path / RunPaths.DATASET
     return datasets.load_from_disk(str(path))
 
 
@@ -369,5 +372,5 @@ def load_token_frequencies(path: str | Path) -> torch.Tensor:
 
     path = Path(path)
     if path.is_dir():
-        path = path / "token_freqs.safetensors"
+        path = path / RunPaths.TOKEN_FREQS
     return load_file(str(path))["freqs"]

@@ -11,10 +11,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eyas.recipe import RunPaths
+
 if TYPE_CHECKING:
     from eyas.eval.bench_serve import BenchSettings
 
-PLOT_NAME = "bench_serve.png"
+PLOT_NAME = RunPaths.BENCH_SERVE_PLOT
 
 
 def point_key(drafter: str, k: int | None, temperature: float, concurrency: int) -> str:

@@ -28,12 +28,13 @@ from pathlib import Path
 
 from eyas.eval.bench_report import PLOT_NAME, build_report, format_report, plot_speedup, point_key  # noqa: F401
 from eyas.heads.algorithms import get_algorithm
+from eyas.recipe import RunPaths
 
 log = logging.getLogger(__name__)
 
 ENTRY = Path(__file__).with_name("vllm_entry.py")
-POINTS_NAME = "points.jsonl"
-REPORT_NAME = "bench_serve.json"
+POINTS_NAME = RunPaths.BENCH_SERVE_POINTS
+REPORT_NAME = RunPaths.BENCH_SERVE_REPORT
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts_total": "drafts",
     "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
@@ -340,7 +341,7 @@ def run_bench(s: BenchSettings, out_dir: Path, progress: bool = True) -> dict:
     """Measure every level not already in out_dir/points.jsonl, then write the report."""
     from tqdm import tqdm
 
-    from eyas.engine_process import launched_engine
+    from eyas.core.engine_process import launched_engine
 
     out_dir.mkdir(parents=True, exist_ok=True)
     points_path = out_dir / POINTS_NAME

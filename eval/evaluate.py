@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from eyas.data.targets import stop_token_ids
 from eyas.eval.report import summarize
 from eyas.eval.speculate import greedy_decode, replay_greedy, speculative_decode
 from eyas.eval.workloads import WorkloadPrompt, render_turn
+from eyas.target.load import stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -210,12 +210,12 @@ def evaluate(
     Heads are directories or Hub ids. `target` may be passed in (a `LoadedTarget`);
     otherwise it is loaded from `recipe.target` at `eval.dtype`, after the workload and
     the heads' names are checked, so a bad argument fails before the model loads."""
-    from eyas.data.targets import load_target
     from eyas.eval.ngram import NgramDrafter
     from eyas.eval.report import verdicts, write_outputs
     from eyas.eval.speculate import HeadDrafter
     from eyas.eval.workloads import load_workload
     from eyas.heads.fetch import fetch_head
+    from eyas.target.load import load_target
 
     ev = recipe.eval
     if head is None and (recipe.paths.export / "config.json").is_file():

@@ -19,7 +19,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from eyas.acceptance import expected_tokens_per_step
+from eyas.core.acceptance import expected_tokens_per_step
 from eyas.heads.algorithms import get_algorithm
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

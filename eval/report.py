@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eyas.acceptance import expected_tokens_per_step
+from eyas.core.acceptance import expected_tokens_per_step
+from eyas.recipe import RunPaths
 
 # A head whose first draft token the target accepts less than this often predicts it
 # poorly. Judged at position 1, not by TAR: TAR falls with K as deep positions decay, so
 # at K = 5 a head at tau 2.4 (a1 57%) has a TAR of only 28%.
 LOW_FIRST_ACCEPTANCE = 0.30
-REPORT_NAME = "eval_report.json"
+REPORT_NAME = RunPaths.EVAL_REPORT
 
 
 def summarize(traces, k: int) -> dict:
@@ -249,7 +250,11 @@ def write_outputs(report: dict, out_dir: str | Path) -> dict[str, str]:
     """eval_report.json, eval_report.md and eval_report.png under `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / REPORT_NAME, "markdown": out / "eval_report.md", "png": out / "eval_report.png"}
+    paths = {
+        "json": out / REPORT_NAME,
+        "markdown": out / RunPaths.EVAL_REPORT_MD,
+        "png": out / RunPaths.EVAL_PLOT,
+    }
     paths["json"].write_text(json.dumps(report, indent=2) + "\n")
     paths["markdown"].write_text(markdown(report))
     plot(report, paths["png"])

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eyas.data.targets import capture_aux
-from eyas.sampling import sample_tokens
+from eyas.core.sampling import sample_tokens
+from eyas.target.features import capture_aux
 
 
 @dataclass

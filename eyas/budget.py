@@ -26,9 +26,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from eyas.recipe import RunPaths
+
 log = logging.getLogger(__name__)
 
-BUDGET_FILE = "budget.json"
 SIZED_KEYS = ("data.max_samples", "train.epochs")
 STAGES = ("prepare", "capture", "train", "export", "eval")
 MARGIN = 0.08  # of the budget, kept unallocated: the estimates are a few batches' worth
@@ -208,9 +209,9 @@ def measure(recipe, progress: bool = True) -> Rates:
     from eyas.data.conversations import DropReport
     from eyas.data.prepare import gather_conversations, regeneration_kwargs, render_all
     from eyas.data.regenerate import before_first_reply, done_records, regenerate
-    from eyas.data.targets import load_target, resolve_target_path
     from eyas.data.templates import prompt_ids
     from eyas.eval.speculate import greedy_decode
+    from eyas.target.load import load_target, resolve_target_path
     from eyas.train.batching import pack_group
     from eyas.train.step_timing import build_head_step, time_head_steps
 
@@ -243,7 +244,7 @@ def measure(recipe, progress: bool = True) -> Rates:
     batch = rg.batch_size if rg.enabled else 256
     pool_n = min(len(conversations), max(batch * 2, len(conversations) // 4))
     first = {i: len(prompt_ids(tok, before_first_reply(conversations[i]))) for i in range(pool_n)}
-    regen_path = Path(recipe.paths.prepared) / "regenerated.jsonl"
+    regen_path = Path(recipe.paths.prepared) / RunPaths.REGENERATED
     done = set(done_records(regen_path)) if rg.enabled else set()
     pool = sorted((i for i in first if first[i] <= cap and i not in done), key=lambda i: (first[i], i))
     if not pool:
@@ -321,9 +322,9 @@ def _decode_seconds_per_token(recipe, target, tokenizer, conversation, greedy_de
     target is cast in place to that dtype: this is the probe's last use of it."""
     import torch
 
+    from eyas.core.precision import resolve_dtype, shapes_of_config
     from eyas.data.regenerate import before_first_reply
     from eyas.data.templates import prompt_ids
-    from eyas.precision import resolve_dtype, shapes_of_config
 
     model = target.model
     device = model.get_output_embeddings().weight.device
@@ -342,7 +343,7 @@ def size_run(
 ) -> dict:
     """Measure, choose and write `run_dir/budget.json`; a file already there for the same
     budget is reused (a rerun resumes under the settings it started with)."""
-    path = Path(recipe.run_dir) / BUDGET_FILE
+    path = recipe.paths.budget
     if path.is_file():
         try:
             saved = json.loads(path.read_text())

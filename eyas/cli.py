@@ -63,9 +63,9 @@ KNOWN_FAILURES = {
     "eyas.data.conversations": ("NoUsableDataError",),
     "eyas.data.cache": ("DamagedShardError", "StaleCacheError"),
     "eyas.data.capture": ("CaptureError",),
-    "eyas.data.targets": ("TargetLoadError",),
+    "eyas.target.load": ("TargetLoadError",),
     "eyas.data.regenerate_server": ("ServerError",),
-    "eyas.engine_process": ("EngineError",),
+    "eyas.core.engine_process": ("EngineError",),
     "eyas.eval.evaluate": ("EvalError",),
     "eyas.eval.workloads": ("WorkloadError",),
     "eyas.heads.export": ("ExportFormatError",),
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     setup_logging(args.verbose)
-    from eyas.allocator import keep_freed_memory
+    from eyas.core.allocator import keep_freed_memory
     from eyas.recipe import RecipeError
     from eyas.run_lock import RunDirBusy, release_run_dirs
 

@@ -11,10 +11,10 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
+from eyas.core.sampling import sample_tokens
 from eyas.heads.algorithms import Algorithm, AlgorithmSection, register
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.layers import DecoderLayer, HeadCache, RMSNorm
-from eyas.sampling import sample_tokens
 
 
 class Eagle3Head(nn.Module):

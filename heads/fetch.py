@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eyas.core.hub_ids import looks_like_hub_id
 from eyas.heads.export import ExportFormatError
-from eyas.hub_ids import looks_like_hub_id
 
 HEAD_PATTERNS = ["*.json", "*.safetensors"]
 

@@ -16,17 +16,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eyas.core.hub_ids import looks_like_hub_id
 from eyas.heads.export import CONFIG_NAME, WEIGHTS_NAME, serve_command
 from eyas.heads.head_dir import detect_format
 from eyas.heads.load_export import export_config
-from eyas.hub_ids import looks_like_hub_id
+from eyas.recipe import RunPaths
 
 log = logging.getLogger(__name__)
 
 HEAD_FILES = (CONFIG_NAME, WEIGHTS_NAME)
 CARD_NAME = "README.md"
 TRAINING_SUMMARY = "training_summary.json"
-EVAL_REPORT = "eval_report.json"
+EVAL_REPORT = RunPaths.EVAL_REPORT
 ALGORITHM_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE (parallel drafting)"}
 
 
@@ -53,7 +54,7 @@ def write_training_summary(checkpoint_dir: str | Path, out_dir: str | Path) -> P
             break
     else:
         run_dir = ckpt.parent.parent
-        recipe_path = run_dir / "recipe.yaml"
+        recipe_path = run_dir / RunPaths.RECIPE
         if not recipe_path.is_file():
             return None
         recipe = yaml.safe_load(recipe_path.read_text()) or {}

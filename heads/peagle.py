@@ -10,11 +10,11 @@ import torch
 from pydantic import Field, PositiveInt
 from torch import nn
 
+from eyas.core.sampling import sample_tokens
 from eyas.heads.algorithms import Algorithm, AlgorithmSection, register
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.layers import HeadCache
-from eyas.sampling import sample_tokens
 
 
 class PEagleHead(Eagle3Head):

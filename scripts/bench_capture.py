@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.allocator import keep_freed_memory
+from eyas.core.allocator import keep_freed_memory
 
 
 def main() -> int:
@@ -42,13 +42,9 @@ def main() -> int:
     from eyas.data.cache import FeatureCache, bytes_per_token, dequantize_fp8, quantize_fp8
     from eyas.data.capture import _pad_batch, capture_split, plan_capture
     from eyas.data.conversations import read_conversations
-    from eyas.data.targets import (
-        compute_features,
-        default_aux_layer_ids,
-        load_target,
-        target_norm_and_lm_head,
-    )
     from eyas.data.templates import TemplateError, render_with_mask
+    from eyas.target.features import compute_features, default_aux_layer_ids, target_norm_and_lm_head
+    from eyas.target.load import load_target
 
     target = load_target(args.target, dtype="bfloat16", device="cpu")
     tok, model = target.tokenizer, target.model

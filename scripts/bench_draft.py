@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from eyas.allocator import keep_freed_memory
+from eyas.core.allocator import keep_freed_memory
 from eyas.heads.algorithms import build_head
 from eyas.heads.config import DraftHeadConfig
 

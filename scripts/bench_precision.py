@@ -29,8 +29,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from eyas import precision
-    from eyas.data.targets import load_target_config
+    from eyas.core import precision
+    from eyas.target.load import load_target_config
 
     config = load_target_config(args.target)
     out = {

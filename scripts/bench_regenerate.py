@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.allocator import keep_freed_memory
+from eyas.core.allocator import keep_freed_memory
 
 
 def main() -> int:
@@ -80,8 +80,9 @@ def main() -> int:
     from eyas.data.decode import decode_replies_hf
     from eyas.data.fed_states import fed_state_layer_ids
     from eyas.data.regenerate import before_first_reply
-    from eyas.data.targets import default_aux_layer_ids, load_target
     from eyas.data.templates import TemplateError, prompt_ids
+    from eyas.target.features import default_aux_layer_ids
+    from eyas.target.load import load_target
 
     target = load_target(args.target, dtype=args.dtype, device="cpu")
     convs, _ = read_conversations(["sharegpt"], max_samples=args.prompts * 3)
@@ -172,7 +173,7 @@ def _server(args, model_dir: str):
     the target started here (its start-up outside the timing) and stopped at the end."""
     from contextlib import contextmanager
 
-    from eyas.engine_process import launched_engine
+    from eyas.core.engine_process import launched_engine
 
     if args.backend == "hf":
         return nullcontext(None)

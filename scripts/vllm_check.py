@@ -217,8 +217,8 @@ class EyasSide:
     """The float32 target in transformers, the prompts, and eyas's own decoding of them."""
 
     def __init__(self, target_dir: Path, prompts: list[str], k: int, max_tokens: int):
-        from eyas.data.targets import load_target
         from eyas.eval.speculate import greedy_decode
+        from eyas.target.load import load_target
 
         self.k, self.max_tokens = k, max_tokens
         self.target = load_target(str(target_dir), dtype="float32", device="cpu")
@@ -239,7 +239,7 @@ class EyasSide:
     @torch.no_grad()
     def lens_states(self, ids: list[int]) -> torch.Tensor:
         """[T, Ht] the input of the target's last decoder layer over a token sequence."""
-        from eyas.data.targets import compute_features
+        from eyas.target.features import compute_features
 
         layer = self.target.num_layers - 1
         aux, _ = compute_features(self.model, torch.tensor([ids]), None, [layer])
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vllm_check: {VLLM_PYTHON} is missing; run scripts/setup_vllm_env.sh", file=sys.stderr)
         return 2
 
-    from eyas.data.targets import materialize_smollm2
+    from eyas.target.load import materialize_smollm2
 
     target_dir = materialize_smollm2()
     prompts = PROMPTS[: args.num_prompts]

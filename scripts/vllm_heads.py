@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from eyas.data.targets import target_norm_and_lm_head, text_config
 from eyas.heads.algorithms import build_head
 from eyas.heads.config import head_config_from_target
 from eyas.heads.eagle3 import Eagle3Head
+from eyas.target.features import target_norm_and_lm_head
+from eyas.target.load import text_config
 
 
 def lens_aux_layer_ids(num_layers: int) -> list[int]:

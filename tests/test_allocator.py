@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-CODE = "from eyas.allocator import keep_freed_memory; print(keep_freed_memory(), keep_freed_memory())"
+CODE = "from eyas.core.allocator import keep_freed_memory; print(keep_freed_memory(), keep_freed_memory())"
 
 
 def _run(env_value):

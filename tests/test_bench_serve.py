@@ -129,7 +129,7 @@ def test_killed_bench_resumes_without_measuring_again(fake_engine, tmp_path):
 
 def test_engine_that_dies_is_reported_with_its_log(monkeypatch, tmp_path):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # no vllm to import
-    from eyas.engine_process import EngineError
+    from eyas.core.engine_process import EngineError
 
     with pytest.raises(EngineError, match="exited with code"):
         B.run_bench(

@@ -9,7 +9,8 @@ import torch
 
 from eyas.data.cache import DamagedShardError, FeatureCache, bytes_per_token, verify_cache
 from eyas.data.capture import CaptureError, InjectedFailure, capture_split, plan_capture
-from eyas.data.targets import compute_features, default_aux_layer_ids, load_target, target_norm_and_lm_head
+from eyas.target.features import compute_features, default_aux_layer_ids, target_norm_and_lm_head
+from eyas.target.load import load_target
 
 
 def test_default_aux_layer_ids():

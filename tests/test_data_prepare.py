@@ -110,7 +110,7 @@ def test_nothing_usable_is_an_error(tiny_llama_dir, tmp_path):
 
 def test_regeneration_turn_by_turn_and_resume(tiny_llama_dir, tmp_path):
     from eyas.data.regenerate import regenerate
-    from eyas.data.targets import load_target
+    from eyas.target.load import load_target
 
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
     convs = [
@@ -149,7 +149,7 @@ def test_regeneration_turn_by_turn_and_resume(tiny_llama_dir, tmp_path):
 def test_max_turns_and_prompt_cap_limit_regeneration(tiny_llama_dir, tmp_path):
     from eyas.data.prepare import keep_first_turns
     from eyas.data.regenerate import regenerate
-    from eyas.data.targets import load_target
+    from eyas.target.load import load_target
 
     conv = [
         {"role": "system", "content": "s"},
@@ -188,7 +188,7 @@ def test_regeneration_batches_by_first_prompt_length(tiny_llama_dir, tmp_path, m
     length), and a prompt over the cap never takes a batch slot."""
     import eyas.data.regenerate as regen
     from eyas.data.decode import DecodedReply
-    from eyas.data.targets import load_target
+    from eyas.target.load import load_target
 
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
     calls = []
@@ -252,7 +252,7 @@ def test_regeneration_progress_counts_tokens_and_resumes_its_count(tiny_llama_di
     import tqdm.auto
 
     from eyas.data.regenerate import before_first_reply, prompt_ids, regenerate
-    from eyas.data.targets import load_target
+    from eyas.target.load import load_target
 
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
     monkeypatch.setattr(tqdm.auto, "tqdm", _BarSpy)
@@ -358,7 +358,7 @@ def test_batched_greedy_replies_equal_model_generate_when_rows_stop_early(tiny_l
     """Rows leave the batch once stopped rows are a quarter of it (at once with 4 rows;
     with 9, a stopped row first rides along); the others' replies must not move."""
     from eyas.data.decode import _takes_additive_decode_mask, generate_replies_hf
-    from eyas.data.targets import load_target
+    from eyas.target.load import load_target
 
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
     model, tok = target.model, target.tokenizer
@@ -398,7 +398,7 @@ def test_preallocated_kv_cache_gives_the_logits_of_the_growing_cache(tiny_llama_
     from transformers import DynamicCache
 
     from eyas.data.decode import _preallocated_cache
-    from eyas.data.targets import load_target
+    from eyas.target.load import load_target
 
     model = load_target(str(tiny_llama_dir), dtype="float32", device="cpu").model
     torch.manual_seed(0)
@@ -423,7 +423,7 @@ def test_sliding_window_targets_keep_the_masks_transformers_builds(tiny_llama_di
     """A ready 4D mask is used as is by every layer; a sliding-window layer given one would
     attend to its whole cache, so such targets (GPT-OSS) keep the 2D mask path."""
     from eyas.data.decode import _takes_additive_decode_mask
-    from eyas.data.targets import load_target
+    from eyas.target.load import load_target
 
     model = load_target(str(tiny_llama_dir), dtype="float32", device="cpu").model
     assert _takes_additive_decode_mask(model)

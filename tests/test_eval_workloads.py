@@ -73,7 +73,7 @@ def test_jsonl_workload_shapes_and_errors(tmp_path, tiny_tokenizer):
 
 @pytest.mark.parametrize("case", ["empty", "misspelt", "relative", "bad_array", "no_head"])
 def test_eval_names_a_bad_workload_or_head_before_loading_the_target(case, tmp_path, monkeypatch, capsys):
-    import eyas.data.targets as targets
+    import eyas.target.load as targets
 
     def no_target(*a, **k):
         raise AssertionError("the target was loaded before the workload was read")
@@ -112,8 +112,8 @@ def test_eval_cli_baseline_and_head(tmp_path, tiny_llama_dir, capsys):
     import torch
     from test_eval_speculate import random_head
 
-    from eyas.data.targets import load_target
     from eyas.heads.io import save_head
+    from eyas.target.load import load_target
 
     wl = tmp_path / "w.jsonl"
     wl.write_text(

@@ -10,15 +10,10 @@ import torch
 from eyas.cli import main
 from eyas.data.cache import FeatureCache
 from eyas.data.fed_states import FED_STATES_DIR, FedStates, fed_state_layer_ids, write_fed_states
-from eyas.data.targets import (
-    compute_features,
-    default_aux_layer_ids,
-    load_target,
-    target_norm_and_lm_head,
-    text_config,
-)
 from eyas.heads.config import head_config_from_target
 from eyas.recipe import TrainSection
+from eyas.target.features import compute_features, default_aux_layer_ids, target_norm_and_lm_head
+from eyas.target.load import load_target, text_config
 from eyas.train.algorithms import loss_function
 from eyas.train.build import build_trainable_head
 from eyas.train.losses import target_labels

@@ -22,7 +22,7 @@ def exported_head(tmp_path_factory, tiny_llama_dir):
 
 
 def _target(tiny_llama_dir):
-    from eyas.data.targets import load_target
+    from eyas.target.load import load_target
 
     return load_target(str(tiny_llama_dir), "float32", "cpu")
 

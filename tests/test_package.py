@@ -61,6 +61,20 @@ def _imported_modules(path: Path, package: str) -> set[str]:
 @pytest.mark.parametrize(
     "folder,forbidden",
     [
+        (
+            "core",
+            (
+                "eyas.target",
+                "eyas.data",
+                "eyas.heads",
+                "eyas.train",
+                "eyas.eval",
+                "eyas.recipe",
+                "eyas.cli",
+                "eyas.commands",
+            ),
+        ),
+        ("target", ("eyas.data", "eyas.heads", "eyas.train", "eyas.eval", "eyas.cli", "eyas.commands")),
         ("heads", ("eyas.data", "eyas.train", "eyas.eval", "eyas.cli", "eyas.commands")),
         ("data", ("eyas.heads", "eyas.train", "eyas.eval", "eyas.cli", "eyas.commands")),
         ("train", ("eyas.eval", "eyas.cli", "eyas.commands")),
@@ -68,7 +82,8 @@ def _imported_modules(path: Path, package: str) -> set[str]:
     ],
 )
 def test_import_direction(folder, forbidden):
-    """Data flows data -> train -> heads (export) -> eval; only eyas.cli wires every stage."""
+    """Data flows data -> train -> heads (export) -> eval; only eyas.cli wires every stage;
+    the frozen target (eyas.target) and the shared helpers (eyas.core) import no stage."""
     bad = []
     for path in sorted((ROOT / folder).glob("*.py")):
         if path.name == "__main__.py":
@@ -140,7 +155,7 @@ def test_algorithm_keys_live_in_their_section_and_flat_keys_name_the_new_one():
 
 
 def test_packaged_file_names_the_install_command(tmp_path):
-    from eyas.assets import packaged_file
+    from eyas.core.assets import packaged_file
 
     with pytest.raises(FileNotFoundError, match="pip install --no-deps no-such-eyas-pkg"):
         packaged_file("no_such_eyas_pkg", "x.json", "no-such-eyas-pkg")

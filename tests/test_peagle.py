@@ -144,14 +144,9 @@ def test_choose_mask_token_id_on_the_tiny_tokenizer(tiny_tokenizer):
 
 
 def test_peagle_loss_overfits_one_batch_of_a_tiny_target(tiny_llama_dir):
-    from eyas.data.targets import (
-        compute_features,
-        default_aux_layer_ids,
-        load_target,
-        target_norm_and_lm_head,
-        text_config,
-    )
     from eyas.heads.config import head_config_from_target
+    from eyas.target.features import compute_features, default_aux_layer_ids, target_norm_and_lm_head
+    from eyas.target.load import load_target, text_config
     from eyas.train.losses import target_labels
 
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")

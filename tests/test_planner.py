@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from eyas.acceptance import expected_tokens_per_step
 from eyas.cli import main
+from eyas.core.acceptance import expected_tokens_per_step
 from eyas.eval.planner import HARDWARE, TARGETS, head_size, parse_target, plan
 
 ACC = [0.8, 0.75, 0.72, 0.7, 0.68, 0.66, 0.65]

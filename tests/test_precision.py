@@ -7,9 +7,9 @@ import logging
 import pytest
 import torch
 
-from eyas import precision
-from eyas.data.targets import load_target
+from eyas.core import precision
 from eyas.recipe import recipe_from_dict
+from eyas.target.load import load_target
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def timed(monkeypatch, tmp_path):
 )
 def test_auto_takes_the_faster_dtype_and_caches_the_verdict(timed, caplog, bf16, fp32, dtype, mixed):
     calls = timed(bf16, fp32)
-    with caplog.at_level(logging.INFO, logger="eyas.precision"):
+    with caplog.at_level(logging.INFO, logger="eyas.core.precision"):
         assert precision.resolve_dtype("auto", "cpu") == dtype
     assert set(calls) == {torch.bfloat16, torch.float32}
     timings = len(calls)
@@ -47,7 +47,7 @@ def test_auto_takes_the_faster_dtype_and_caches_the_verdict(timed, caplog, bf16,
     assert verdict["faster"] == dtype and verdict["bfloat16_ms"] == bf16 * 1e3
     # the next stage (and the next run) reads the verdict instead of timing again
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="eyas.precision"):
+    with caplog.at_level(logging.INFO, logger="eyas.core.precision"):
         assert precision.resolve_mixed_precision("auto", torch.device("cpu")) == mixed
     assert len(calls) == timings and "cached" in caplog.text
 

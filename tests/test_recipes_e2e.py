@@ -51,7 +51,7 @@ def _family(target: str):
     if "smollm2" in name:
         from transformers import AutoTokenizer
 
-        from eyas.data.targets import resolve_target_path
+        from eyas.target.load import resolve_target_path
 
         return (
             "llama",

@@ -38,7 +38,7 @@ def _convs(n=6):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir):
-    from eyas.data.targets import load_target
+    from eyas.target.load import load_target
 
     return load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
 
@@ -296,7 +296,7 @@ def test_prepare_launches_the_engine_regenerates_and_stops_it(tiny_llama_dir, tm
     assert len(records) == 4 and all(r["token_checks"]["turns_compared"] == 1 for r in records)
     report = json.loads((run / "prepared" / "drop_report.json").read_text())
     assert report["token_checks"]["turns_compared"] == 4
-    from eyas.engine_process import answers
+    from eyas.core.engine_process import answers
 
     assert not answers(url)  # stopped
     # a finished run does not start the engine again: a launch command that would fail is never run
@@ -304,7 +304,7 @@ def test_prepare_launches_the_engine_regenerates_and_stops_it(tiny_llama_dir, tm
 
 
 def test_an_engine_that_dies_is_reported_with_its_log(tmp_path):
-    from eyas.engine_process import EngineError, launched_engine
+    from eyas.core.engine_process import EngineError, launched_engine
 
     with pytest.raises(EngineError, match=r"exited with code 3 .*\n.*no GPU here"):
         with launched_engine(
@@ -318,7 +318,7 @@ def test_an_engine_that_dies_is_reported_with_its_log(tmp_path):
 
 
 def test_launch_command_takes_leading_environment_assignments(tmp_path):
-    from eyas.engine_process import EngineError, launched_engine, split_command
+    from eyas.core.engine_process import EngineError, launched_engine, split_command
 
     assert split_command("CUDA_VISIBLE_DEVICES=0,1 VLLM_X='a b' vllm serve m --port 1") == (
         {"CUDA_VISIBLE_DEVICES": "0,1", "VLLM_X": "a b"},

@@ -37,8 +37,8 @@ def test_prepare_through_vllm_serve_stores_vllm_greedy_replies(tmp_path):
 
     from eyas.cli import main
     from eyas.data.regenerate import before_first_reply
-    from eyas.data.targets import resolve_target_path
     from eyas.data.templates import prompt_ids
+    from eyas.target.load import resolve_target_path
 
     model_dir = resolve_target_path("smollm2-135m")
     port = _free_port()

@@ -1,6 +1,6 @@
 import torch
 
-from eyas.sampling import sample_tokens
+from eyas.core.sampling import sample_tokens
 
 
 def test_greedy_and_nucleus_sampling():

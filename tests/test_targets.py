@@ -2,7 +2,7 @@
 
 import pytest
 
-from eyas.data.targets import TargetLoadError, attention_implementation, load_target
+from eyas.target.load import TargetLoadError, attention_implementation, load_target
 
 
 def test_tiny_target_loads_frozen_and_exposes_hidden_states(tiny_target_dir):
@@ -61,7 +61,7 @@ def test_cpu_targets_attend_with_grouped_kv_under_a_padding_mask(tiny_llama_dir,
     import torch
     import torch.nn.functional as F
 
-    from eyas.data.targets import GQA_SDPA_ENV
+    from eyas.target.load import GQA_SDPA_ENV
 
     monkeypatch.delenv(GQA_SDPA_ENV, raising=False)
     model = load_target(str(tiny_llama_dir), dtype="float32", device="cpu").model

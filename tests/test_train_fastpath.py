@@ -147,7 +147,7 @@ def test_auto_loss_compilation_only_for_large_cpu_rows():
 
 
 def test_argmax_rows_is_the_first_maximum():
-    from eyas.sampling import argmax_rows
+    from eyas.core.sampling import argmax_rows
 
     torch.manual_seed(5)
     x = torch.randn(37, 1024)

@@ -80,7 +80,7 @@ def test_offline_run_writes_final_head_and_metrics(tmp_path, tiny_llama_dir):
     lines = [json.loads(x) for x in (recipe.paths.root / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/accept_len" in x for x in lines) and any("train/acc_2" in x for x in lines)
     assert summary["step"] == 6
-    from eyas.data.targets import load_target
+    from eyas.target.load import load_target
 
     target = load_target(str(tiny_llama_dir), "float32", "cpu")
     head = load_head(recipe.paths.checkpoints / "final", target.model.get_input_embeddings().weight)
@@ -170,8 +170,9 @@ def test_frozen_lm_head_keeps_the_targets_rows(tmp_path, tiny_llama_dir):
     recipe = prepare_run(
         tmp_path, tiny_llama_dir, "online", n=12, max_steps=3, save_every=0, eval_every=0, freeze_lm_head=True
     )
-    from eyas.data.targets import load_target, target_norm_and_lm_head
     from eyas.heads.io import load_head
+    from eyas.target.features import target_norm_and_lm_head
+    from eyas.target.load import load_target
     from eyas.train.loop import train
 
     train(recipe, progress=False)

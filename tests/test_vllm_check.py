@@ -20,13 +20,13 @@ HAS_VLLM = (ROOT / ".venv-vllm" / "bin" / "python").is_file()
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_llama_dir):
-    from eyas.data.targets import load_target
+    from eyas.target.load import load_target
 
     return load_target(str(tiny_llama_dir), dtype="float32", device="cpu").model
 
 
 def _lens_states(model, ids):
-    from eyas.data.targets import compute_features
+    from eyas.target.features import compute_features
 
     layer = lens_aux_layer_ids(model.config.num_hidden_layers)[-1]
     aux, _ = compute_features(model, torch.tensor([ids]), None, [layer])

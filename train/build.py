@@ -10,12 +10,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from eyas.data.targets import default_aux_layer_ids, target_norm_and_lm_head, text_config
 from eyas.heads.algorithms import build_head, get_algorithm
 from eyas.heads.config import DraftHeadConfig, head_config_from_target
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.peagle import choose_mask_token_id
 from eyas.heads.vocab import build_vocab_map
+from eyas.target.features import default_aux_layer_ids, target_norm_and_lm_head
+from eyas.target.load import text_config
 
 log = logging.getLogger(__name__)
 

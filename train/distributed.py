@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from eyas.precision import resolve_mixed_precision, shapes_of_config
+from eyas.core.precision import resolve_mixed_precision, shapes_of_config
 from eyas.train.checkpoint import uses_engine_state
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def make_accelerator(recipe, target=None):
 def mixed_precision_for(recipe, target, device: str) -> str:
     """`train.mixed_precision` for this device; `auto` is decided on the head's own
     multiplies (the target's widths, the draft vocabulary, a batch's tokens)."""
-    from eyas.data.targets import load_target_config
+    from eyas.target.load import load_target_config
 
     cfg, t = recipe.train, recipe.target
     shapes = None

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from eyas.core.sampling import argmax_rows
 from eyas.heads.layers import TTTMask
-from eyas.sampling import argmax_rows
 from eyas.train.batching import round_up, shift_left
 from eyas.train.losses import TargetLabels, soft_cross_entropy_rows
 from eyas.train.step_stats import StepStats

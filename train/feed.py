@@ -36,7 +36,7 @@ class FeatureSource:
         """batch -> (batch with aux/last, TargetLabels). `split` names the source whose
         sample indices `batch["index"]` holds (absent: nothing remembered)."""
         if "aux" not in batch:
-            from eyas.data.targets import compute_features
+            from eyas.target.features import compute_features
 
             batch["aux"], batch["last"] = compute_features(
                 self.target_model, batch["input_ids"], batch["attention_mask"], self.aux_layer_ids

@@ -54,7 +54,7 @@ def train(
     the keys) unless `accept_changes` (continue under the new ones) or `restart` (delete
     the run's checkpoints, head and metrics, and start anew); see train/run_settings.py.
 
-    `target`: an already loaded `eyas.data.targets.Target` (tests, notebooks); otherwise
+    `target`: an already loaded `eyas.target.load.Target` (tests, notebooks); otherwise
     loaded from `recipe.target` on this process's device.
     """
     cfg = recipe.train
@@ -196,7 +196,7 @@ def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool = Tru
 
 
 def _load_target(recipe, device):
-    from eyas.data.targets import load_target
+    from eyas.target.load import load_target
 
     t = recipe.target
     return load_target(
@@ -290,7 +290,7 @@ def _open_logger(recipe, accelerator):
     if not accelerator.is_main_process:
         return make_logger("none", paths.root)
     paths.root.mkdir(parents=True, exist_ok=True)
-    (paths.root / "recipe.yaml").write_text(dump_recipe(recipe))
+    paths.recipe.write_text(dump_recipe(recipe))
     return make_logger(recipe.train.logger, paths.root, recipe.name, recipe.model_dump(mode="json"))
 
 

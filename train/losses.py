@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from eyas.sampling import argmax_rows
+from eyas.core.sampling import argmax_rows
 
 log = logging.getLogger(__name__)
 

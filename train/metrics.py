@@ -14,7 +14,8 @@ import logging
 import os
 from pathlib import Path
 
-from eyas.acceptance import expected_tokens_per_step
+from eyas.core.acceptance import expected_tokens_per_step
+from eyas.recipe import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def make_logger(kind: str, run_dir: str | Path, name: str = "run", config: dict 
     (run_dir/tensorboard), 'wandb', or 'none'."""
     run_dir = Path(run_dir)
     if kind == "jsonl":
-        return JsonlLogger(run_dir / "metrics.jsonl")
+        return JsonlLogger(run_dir / RunPaths.METRICS)
     if kind == "tensorboard":
         return TensorboardLogger(run_dir / "tensorboard")
     if kind == "wandb":

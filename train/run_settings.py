@@ -141,6 +141,6 @@ def clear_run(paths) -> None:
     import shutil
 
     shutil.rmtree(paths.checkpoints, ignore_errors=True)
-    for name in ("metrics.jsonl", "recipe.yaml"):
-        (paths.root / name).unlink(missing_ok=True)
+    for path in (paths.metrics, paths.recipe):
+        path.unlink(missing_ok=True)
     log.info("--restart: removed the checkpoints, head and metrics of the earlier run in %s", paths.root)

@@ -52,8 +52,8 @@ class HeadStep:
 def build_head_step(recipe, target_config, verifier: str, device, rows: int) -> HeadStep:
     """The recipe's head over `target_config`'s dimensions and its training step on `device`;
     `rows`: the tokens a step holds, which the bf16-or-float32 choice is timed at."""
+    from eyas.core.precision import resolve_dtype, resolve_mixed_precision, shapes_of_config
     from eyas.heads.layers import RMSNorm
-    from eyas.precision import resolve_dtype, resolve_mixed_precision, shapes_of_config
     from eyas.train.algorithms import loss_function
     from eyas.train.build import head_config_for, head_from_target_weights
     from eyas.train.fastpath import draft_first_lm_head, valid_row_labels

@@ -107,20 +107,20 @@ def first_turn_prompts(
     target: str, workload: str, max_prompts, trust_remote_code: bool = False
 ) -> list[list[int]]:
     """The workload's first user turns, rendered with the target's chat template."""
-    from eyas.data.targets import load_tokenizer
     from eyas.eval.workloads import load_workload, render_turn
+    from eyas.target.load import load_tokenizer
 
     tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
     return [render_turn(tokenizer, p, []) for p in load_workload(workload, max_prompts)]
 
 
 def run(args: argparse.Namespace) -> int:
-    from eyas.data.targets import resolve_target_path
-    from eyas.engine_process import EngineError
+    from eyas.core.engine_process import EngineError
     from eyas.eval import bench_serve as B
     from eyas.eval.workloads import WorkloadError
     from eyas.heads.fetch import fetch_head
     from eyas.heads.validate import ExportFormatError
+    from eyas.target.load import resolve_target_path
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     ks = _numbers("--k", args.k)

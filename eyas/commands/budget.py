@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eyas.budget import BUDGET_FILE, SIZED_KEYS, BudgetError, parse_duration, size_run
+    from eyas.budget import SIZED_KEYS, BudgetError, parse_duration, size_run
 
     try:
         budget_s = parse_duration(args.budget)
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     for line in sized["reasons"]:
         print(f"eyas budget: {line}", file=sys.stderr)
-    print(f"eyas budget: written to {recipe.run_dir}/{BUDGET_FILE}", file=sys.stderr)
+    print(f"eyas budget: written to {recipe.paths.budget}", file=sys.stderr)
     if args.json:
         print(json.dumps(sized, indent=1))
     else:
@@ -94,9 +94,8 @@ def _stdout_to_stderr():
 
 
 def _report(args: argparse.Namespace, budget_s: float) -> int:
-    from pathlib import Path
 
-    from eyas.budget import BUDGET_FILE, report
+    from eyas.budget import report
     from eyas.recipe import load_recipe
 
     took, overrides = {}, []
@@ -109,7 +108,7 @@ def _report(args: argparse.Namespace, budget_s: float) -> int:
         else:
             overrides.append(item)
     recipe = load_recipe(args.recipe, overrides)
-    path = Path(recipe.run_dir) / BUDGET_FILE
+    path = recipe.paths.budget
     sized = json.loads(path.read_text()) if path.is_file() else {}
     sized["budget_s"] = budget_s
     print(report(sized, took))

@@ -69,8 +69,8 @@ def check_target_facts(target: str | None):
     """The verifier's facts for a head check, from `--target` (None: the head's own)."""
     if not target:
         return None
-    from eyas.data.targets import load_target_config
     from eyas.heads.head_dir import target_facts
+    from eyas.target.load import load_target_config
 
     return target_facts(load_target_config(target), target)
 
@@ -114,11 +114,12 @@ def _recipe_verifier(recipe, ckpt) -> str | None:
     """The verifier to name: `target.hub_id` when the recipe sets it (it corrects a head
     trained from a local directory); else the recipe's target, only when the head config
     names none."""
-    from eyas.data.targets import SMOLLM2_ALIAS, SMOLLM2_HUB_ID
+    from eyas.heads.io import CONFIG_NAME as HEAD_CONFIG_NAME
+    from eyas.target.load import SMOLLM2_ALIAS, SMOLLM2_HUB_ID
 
     if recipe.target.hub_id:
         return recipe.target.hub_id
-    cfg_path = Path(ckpt) / "head_config.json"
+    cfg_path = Path(ckpt) / HEAD_CONFIG_NAME
     if cfg_path.is_file() and json.loads(cfg_path.read_text()).get("verifier_name_or_path"):
         return None
     name = recipe.target.name_or_path
@@ -141,8 +142,9 @@ def run(args: argparse.Namespace) -> int:
     write_training_summary(ckpt, out_dir)
     problems = validate_export(out_dir)
     from eyas.heads.config import DraftHeadConfig
+    from eyas.heads.io import CONFIG_NAME as HEAD_CONFIG_NAME
 
-    cfg = DraftHeadConfig.load(Path(ckpt) / "head_config.json")
+    cfg = DraftHeadConfig.load(Path(ckpt) / HEAD_CONFIG_NAME)
     if verifier:
         cfg = cfg.model_copy(update={"verifier_name_or_path": verifier})
     command = serve_command(out_dir.resolve(), cfg)

@@ -87,7 +87,7 @@ def _acceptance(args, recipe) -> tuple[list[float], str | None, str, str | None]
                 f"eyas plan: --acceptance {args.acceptance!r}: expected numbers a1,a2,..."
             ) from None
         return _checked_rates(rates, "--acceptance"), None, "--acceptance", None
-    path = Path(args.report) if args.report else recipe.paths.eval / "eval_report.json"
+    path = Path(args.report) if args.report else recipe.paths.eval_report
     if not path.is_file():
         raise SystemExit(f"eyas plan: no report at {path}; run `eyas eval` or pass --acceptance a1,a2,...")
     try:
@@ -196,6 +196,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from eyas.eval import planner as P
+    from eyas.recipe import RunPaths
 
     if args.calibrate:
         return run_calibrate(args)
@@ -228,12 +229,12 @@ def run(args: argparse.Namespace) -> int:
         plans[alg] = P.plan(rates, hw, target, head, args.context, conc, args.max_k)
     out = Path(args.out) if args.out else recipe.paths.eval
     out.mkdir(parents=True, exist_ok=True)
-    P.plot_plans(plans, out / "plan.png")
-    (out / "plan.json").write_text(P.dumps(plans) + "\n")
+    P.plot_plans(plans, out / RunPaths.PLAN_PLOT)
+    (out / RunPaths.PLAN).write_text(P.dumps(plans) + "\n")
     serve_at = args.serve_concurrency if args.serve_concurrency in conc else conc[0]
     model = head_dir or str(recipe.paths.export)  # the head the report measured
     configs = {alg: P.speculative_config(p, serve_at, model) for alg, p in plans.items()}
-    from eyas.acceptance import expected_tokens_per_step
+    from eyas.core.acceptance import expected_tokens_per_step
     from eyas.eval.advice import advise, format_advice
     from eyas.eval.bench_report import vllm_serve_command
 

@@ -7,7 +7,6 @@ The target is never trained: it comes back in eval mode with every parameter fro
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import logging
 import os
@@ -17,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from eyas.assets import packaged_file
-from eyas.precision import resolve_dtype, shapes_of_config
+from eyas.core.assets import packaged_file
+from eyas.core.precision import resolve_dtype, shapes_of_config
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +131,7 @@ def resolve_target_path(name_or_path: str) -> str:
 def _check_target_exists(name_or_path: str, path: str) -> None:
     """A name that is neither a local path nor `org/name` is a missing directory, said so
     before anything asks the Hub for it."""
-    from eyas.hub_ids import looks_like_hub_id
+    from eyas.core.hub_ids import looks_like_hub_id
 
     if not Path(path).exists() and not looks_like_hub_id(name_or_path):
         raise TargetLoadError(
@@ -258,112 +257,6 @@ def load_target(
     # The id a serving config should name: the Hub id when there is one.
     hub_id = SMOLLM2_HUB_ID if name_or_path == SMOLLM2_ALIAS else name_or_path
     return Target(model=freeze(model), tokenizer=tokenizer, path=path, hub_id=hub_id)
-
-
-# --- Features for the draft head (online training and the offline capture share these) ---
-
-
-def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's default auxiliary layers `(2, L//2, L-3)`; for small L, where those are
-    not strictly ascending, three distinct ascending ids spread over [1, L-1]."""
-    L = num_layers
-    ids = (2, L // 2, L - 3)
-    if 0 < ids[0] < ids[1] < ids[2] <= L - 1:
-        return ids
-    if L < 4:
-        raise ValueError(f"a target needs at least 4 layers for 3 auxiliary layers, got {L}")
-    return (1, max(2, L // 2), L - 1)
-
-
-def _decoder(model: torch.nn.Module) -> torch.nn.Module:
-    """The base (decoder-only) model under a *ForCausalLM: `.model` for Llama/Qwen/GPT-OSS."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    if not hasattr(base, "layers") or not hasattr(base, "norm"):
-        raise TypeError(f"{type(model).__name__}: cannot find the decoder layers and final norm")
-    return base
-
-
-def target_norm_and_lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The frozen final norm and LM head: logits = lm_head(norm(last)) with `last` from
-    `compute_features`."""
-    return _decoder(model).norm, model.get_output_embeddings()
-
-
-@torch.no_grad()
-def compute_features(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    aux_layer_ids: tuple[int, ...] | list[int],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the frozen target's base model once and return the draft head's inputs.
-
-    input_ids [B, T], attention_mask [B, T] (1 = token; right or left padding).
-    Returns `aux` [B, T, n*Ht] (the residual stream entering decoder layer i for each i in
-    `aux_layer_ids`, i.e. HF `hidden_states[i]`, concatenated in the given order) and
-    `last` [B, T, Ht] (the input of the final norm, before normalisation), both in the
-    model's dtype. Forward pre-hooks grab them on the way; only the base model runs, so
-    no vocabulary-sized logits are computed.
-    """
-    base = _decoder(model)
-    layers = base.layers
-    ids = list(aux_layer_ids)
-    if any(not 0 <= i < len(layers) for i in ids):
-        raise ValueError(f"aux layer ids {ids} must lie in [0, {len(layers) - 1}]")
-    grabbed: dict = {}
-
-    def grab(key):
-        def hook(module, args, kwargs):
-            # Decoder layers and the norm receive the hidden states first (positional in
-            # HF today; by name in some versions).
-            grabbed[key] = args[0] if args else kwargs["hidden_states"]
-
-        return hook
-
-    handles = [layers[i].register_forward_pre_hook(grab(i), with_kwargs=True) for i in set(ids)]
-    handles.append(base.norm.register_forward_pre_hook(grab("last"), with_kwargs=True))
-    try:
-        base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    aux = torch.cat([grabbed[i] for i in ids], dim=-1)
-    return aux, grabbed["last"]
-
-
-@contextlib.contextmanager
-def capture_aux(model, aux_layer_ids):
-    """While active, every forward of `model` stores its aux states in the yielded dict
-    under "aux" as `[B, T, n·Ht]`. Id i < L is the residual stream entering decoder layer
-    i (HF hidden_states[i], as `compute_features`); id L is the last state before the final
-    norm. Nothing is hooked when `aux_layer_ids` is empty."""
-    ids = list(aux_layer_ids)
-    grabbed: dict = {}
-    if not ids:
-        yield grabbed
-        return
-    base = _decoder(model)
-    layers, norm = base.layers, base.norm
-    if any(not 0 <= i <= len(layers) for i in ids):
-        raise ValueError(f"aux layer ids {ids} must lie in [0, {len(layers)}]")
-    states: dict = {}
-
-    def grab(key):
-        def hook(module, args, kwargs):
-            states[key] = args[0] if args else kwargs["hidden_states"]
-            if key == last_hooked:  # the last hooked module of the forward has run
-                grabbed["aux"] = torch.cat([states[i] for i in ids], dim=-1)
-
-        return hook
-
-    last_hooked = max(ids)  # modules run in id order, whatever order `ids` lists them in
-    modules = {i: (layers[i] if i < len(layers) else norm) for i in set(ids)}
-    handles = [m.register_forward_pre_hook(grab(i), with_kwargs=True) for i, m in modules.items()]
-    try:
-        yield grabbed
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:
