@@ -11,6 +11,15 @@ flop_ratio_best_of (best round / best forward round), seconds (per mode and roun
 peak_rss_mb, plus the settings. The reference work: offline, TTT 3, draft vocab 8192, sequences of 512
 ShareGPT tokens. Timings are noisy when other jobs share the CPU:
 the script prints the load average it saw.
+
+  python scripts/bench_train.py --algorithms eagle3,peagle [--variant NAME:key=value,...]
+
+compares training algorithms instead: each is trained from its shipped SmolLM2 recipe
+(recipes/smollm2-135m-<algorithm>.yaml) on the same cached-feature batches, the heads
+taking turns batch by batch; `--variant` adds a head of a recipe with overrides (e.g.
+`--variant peagle-4d:head.algorithm=peagle,train.peagle.num_depths=4`). Keys:
+seconds_per_token {head} (best round: optimizer-step time per batch token),
+ratio_to_first {head} (that over the first head's), seconds {head: per round}.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import time
 
 import torch
 
-from eyas.allocator import keep_freed_memory
+from eyas.core.allocator import keep_freed_memory
 
 
 def sharegpt_batches(tokenizer, n_batches: int, batch: int, seq: int):
@@ -47,9 +56,27 @@ def sharegpt_batches(tokenizer, n_batches: int, batch: int, seq: int):
     return [collate(samples[i : i + batch]) for i in range(0, len(samples), batch)]
 
 
+def load_bench_data(args):
+    """The target, the ShareGPT batches (one warm-up + `args.steps`), their masked-token
+    counts and whether the head runs under bf16 autocast."""
+    from eyas.core.precision import resolve_mixed_precision
+    from eyas.data.prepare import token_frequencies
+    from eyas.target.load import load_target
+
+    target = load_target("smollm2-135m", args.dtype, "cpu")
+    bf16_autocast = resolve_mixed_precision(args.mixed_precision, "cpu") == "bf16"
+    batches = sharegpt_batches(target.tokenizer, args.steps + 1, args.batch, args.seq)
+    freqs = token_frequencies(
+        [b.tolist() for x in batches for b in x["input_ids"]],
+        [m.tolist() for x in batches for m in x["loss_mask"]],
+        target.vocab_size,
+    )
+    return target, batches, freqs, bf16_autocast
+
+
 def target_flops_per_token(model, seq: int) -> float:
     """Forward FLOPs per token of the base model: 2 x non-embedding weights + causal attention."""
-    from eyas.data.targets import text_config
+    from eyas.target.load import text_config
 
     cfg = text_config(model.config)
     base = model.get_decoder()
@@ -109,15 +136,26 @@ def main() -> None:
         default=3,
         help="rounds over the batches, every mode taking its turn on each batch",
     )
+    ap.add_argument(
+        "--algorithms",
+        default=None,
+        help="compare these algorithms' training steps (comma-separated) instead of the modes",
+    )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME:key=value,... one more head: a recipe (head.algorithm's) with overrides",
+    )
     args = ap.parse_args()
     keep_freed_memory()  # as every `eyas` command does
+    if args.algorithms:
+        compare_algorithms(args)
+        return
     loadavg_before = os.getloadavg()[0]
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from eyas.data.prepare import token_frequencies
-    from eyas.data.targets import load_target
-    from eyas.precision import resolve_mixed_precision
     from eyas.recipe import load_recipe
     from eyas.train.algorithms import loss_function
     from eyas.train.build import HeadWithLoss, build_trainable_head, frozen_output, head_config_for
@@ -133,15 +171,8 @@ def main() -> None:
             f"train.eagle3.copy_attention_steps={args.copy_attention_steps}",
         ],
     )
-    target = load_target("smollm2-135m", args.dtype, "cpu")
-    bf16_autocast = resolve_mixed_precision(args.mixed_precision, "cpu") == "bf16"
-    batches = sharegpt_batches(target.tokenizer, args.steps + 1, args.batch, args.seq)
+    target, batches, freqs, bf16_autocast = load_bench_data(args)
     vt = target.vocab_size
-    freqs = token_frequencies(
-        [b.tolist() for x in batches for b in x["input_ids"]],
-        [m.tolist() for x in batches for m in x["loss_mask"]],
-        vt,
-    )
     torch.manual_seed(0)
     head = build_trainable_head(head_config_for(recipe, target.config), target.model, freqs)
     features = FeatureSource(target.model, list(head.config.aux_layer_ids), frozen_output(target.model), head)
@@ -151,7 +182,7 @@ def main() -> None:
     tokens = [int(b["attention_mask"].sum()) for b in batches]
     timed_tokens = sum(tokens[1:])
 
-    from eyas.data.targets import compute_features
+    from eyas.target.features import compute_features
 
     # the offline "cache": aux / last per batch, kept in memory
     cached = [features.complete(dict(b))[0] for b in batches]
@@ -237,6 +268,101 @@ def main() -> None:
     }
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["settings"]["loadavg_after"] = os.getloadavg()[0]
+    print(json.dumps(result, indent=1))
+
+
+def _recipe_of(algorithm: str, overrides: list[str]):
+    from eyas.recipe import load_recipe
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return load_recipe(os.path.join(root, "recipes", f"smollm2-135m-{algorithm}.yaml"), overrides)
+
+
+def compare_algorithms(args) -> None:
+    """Each head's optimizer step on the same offline batches, the heads taking turns batch
+    by batch (this CPU's speed drifts over minutes; turns keep the ratio fair)."""
+    from eyas.train.algorithms import loss_function
+    from eyas.train.build import HeadWithLoss, build_trainable_head, frozen_output, head_config_for
+    from eyas.train.feed import FeatureSource
+
+    loadavg_before = os.getloadavg()[0]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    specs = [(a, a, []) for a in args.algorithms.split(",") if a]
+    for v in args.variant:
+        name, _, rest = v.partition(":")
+        overrides = [o for o in rest.split(",") if o]
+        algo = next((o.split("=", 1)[1] for o in overrides if o.startswith("head.algorithm=")), "eagle3")
+        specs.append((name, algo, [o for o in overrides if not o.startswith("head.algorithm=")]))
+    recipes = {name: _recipe_of(algo, overrides) for name, algo, overrides in specs}
+    target, batches, freqs, bf16_autocast = load_bench_data(args)
+    runs = {}
+    for name, recipe in recipes.items():
+        torch.manual_seed(0)
+        cfg = head_config_for(recipe, target.config, tokenizer=target.tokenizer, token_freqs=freqs)
+        head = build_trainable_head(cfg, target.model, freqs)
+        features = FeatureSource(target.model, list(cfg.aux_layer_ids), frozen_output(target.model), head)
+        model = HeadWithLoss(head, loss_function(cfg.algorithm), recipe.train)
+        params = [p for p in model.parameters() if p.requires_grad]
+        cached = [features.complete(dict(b))[0] for b in batches]  # the offline cache, in memory
+        runs[name] = dict(
+            recipe=recipe,
+            features=features,
+            model=model,
+            params=params,
+            opt=torch.optim.AdamW(params, lr=1e-4),
+            cached=cached,
+            generator=torch.Generator().manual_seed(0),
+        )
+
+    def step(run: dict, i: int) -> float:
+        t0 = time.perf_counter()
+        full, labels = run["features"].complete(dict(run["cached"][i]))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+            stats = run["model"](full, labels, run["generator"])
+        stats.loss.backward()
+        torch.nn.utils.clip_grad_norm_(run["params"], run["recipe"].train.max_grad_norm)
+        run["opt"].step()
+        run["opt"].zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    names = list(runs)
+    for name in names:  # warm-up, untimed
+        step(runs[name], 0)
+    seconds = {n: [0.0] * args.rounds for n in names}
+    turn = 0
+    for r in range(args.rounds):
+        for i in range(1, len(batches)):
+            for name in names[turn % len(names) :] + names[: turn % len(names)]:
+                seconds[name][r] += step(runs[name], i)
+            turn += 1
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches[1:])
+    per_token = {n: min(seconds[n]) / tokens for n in names}
+    result = {
+        "settings": {
+            "heads": {
+                n: {
+                    "algorithm": runs[n]["recipe"].head.algorithm,
+                    "num_layers": runs[n]["recipe"].head.num_layers,
+                    "train": runs[n]["recipe"].train.section(runs[n]["recipe"].head.algorithm).model_dump(),
+                }
+                for n in names
+            },
+            "seq": args.seq,
+            "batch": args.batch,
+            "timed_steps": args.steps,
+            "rounds": args.rounds,
+            "threads": torch.get_num_threads(),
+            "loadavg_before": loadavg_before,
+            "loadavg_after": os.getloadavg()[0],
+            "target_dtype": str(target.model.dtype).removeprefix("torch."),
+            "bf16_autocast": bf16_autocast,
+        },
+        "seconds_per_token": per_token,
+        "ratio_to_first": {n: per_token[n] / per_token[names[0]] for n in names},
+        "seconds": seconds,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
     print(json.dumps(result, indent=1))
 
 
