@@ -316,7 +316,7 @@ def capture(
     from eyas.data.fed_states import FED_STATES_DIR, FedStates, fed_state_layer_ids
     from eyas.data.prepare import load_prepared, read_prepared_digest
     from eyas.target.features import default_aux_layer_ids
-    from eyas.target.load import load_target
+    from eyas.target.load import load_recipe_target
 
     if recipe.data.features == "online":
         say("capture: data.features=online: the trainer computes the features itself; nothing to capture")
@@ -326,17 +326,8 @@ def capture(
         raise CaptureError(f"no prepared data at {prepared}; run `eyas prepare` first")
     dd = load_prepared(prepared)
     splits = [s for s in splits if s in dd]  # an empty eval split is not written
-    t = recipe.target
     if target is None:
-        target = load_target(
-            t.name_or_path,
-            t.dtype,
-            t.device,
-            t.attn_implementation,
-            t.trust_remote_code,
-            t.revision,
-            work_rows=recipe.data.capture_batch_tokens,
-        )
+        target = load_recipe_target(recipe.target, work_rows=recipe.data.capture_batch_tokens)
     aux_ids = list(recipe.data.aux_layer_ids or default_aux_layer_ids(target.num_layers))
     bpt = bytes_per_token(len(aux_ids), target.hidden_size, recipe.data.cache_dtype)
     total = sum(len(x) for s in splits for x in dd[s]["input_ids"])
@@ -348,7 +339,7 @@ def capture(
     fed_dir = prepared / FED_STATES_DIR
     fed = None
     if fed_dir.is_dir():
-        fed = FedStates(fed_dir, fed_state_layer_ids(aux_ids, target.num_layers), t.name_or_path)
+        fed = FedStates(fed_dir, fed_state_layer_ids(aux_ids, target.num_layers), recipe.target.name_or_path)
         say(
             f"capture: {fed_dir} holds the regeneration's states of {len(fed)} conversations; "
             "they are copied where the prepared tokens match"
@@ -367,7 +358,7 @@ def capture(
             recipe.data.capture_batch_tokens,
             recipe.data.shard_tokens,
             pad,
-            t.name_or_path,
+            recipe.target.name_or_path,
             progress=progress,
             fed_states=fed,
             prepared_digest=digest,

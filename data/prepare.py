@@ -122,7 +122,7 @@ def prepare(recipe, out_dir: Path | None = None, tokenizer=None, target=None, pr
     import datasets
     from safetensors.torch import save_file
 
-    from eyas.target.load import load_target, load_tokenizer
+    from eyas.target.load import load_recipe_target, load_tokenizer
 
     cfg = recipe.data
     out_dir = Path(out_dir or recipe.paths.prepared)
@@ -131,16 +131,7 @@ def prepare(recipe, out_dir: Path | None = None, tokenizer=None, target=None, pr
     source_index = list(range(len(conversations)))  # a conversation's index in regenerated.jsonl
     if cfg.regenerate.enabled:
         if target is None and cfg.regenerate.backend == "hf":
-            t = recipe.target
-            target = load_target(
-                t.name_or_path,
-                t.dtype,
-                t.device,
-                t.attn_implementation,
-                t.trust_remote_code,
-                t.revision,
-                work_rows=cfg.regenerate.batch_size,
-            )
+            target = load_recipe_target(recipe.target, work_rows=cfg.regenerate.batch_size)
         tokenizer = tokenizer or (target.tokenizer if target is not None else None)
         from eyas.data.regenerate import regenerate
 

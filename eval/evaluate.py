@@ -215,7 +215,7 @@ def evaluate(
     from eyas.eval.speculate import HeadDrafter
     from eyas.eval.workloads import load_workload
     from eyas.heads.fetch import fetch_head
-    from eyas.target.load import load_target
+    from eyas.target.load import load_recipe_target
 
     ev = recipe.eval
     if head is None and (recipe.paths.export / "config.json").is_file():
@@ -230,16 +230,7 @@ def evaluate(
     compare = {name: str(fetch_head(h)) for name, h in compare.items()}
     prompts = load_workload(ev.workload, ev.max_prompts)
     if target is None:
-        t = recipe.target
-        target = load_target(
-            t.name_or_path,
-            dtype=ev.dtype or t.dtype,
-            device=t.device,
-            attn_implementation=t.attn_implementation,
-            trust_remote_code=t.trust_remote_code,
-            revision=t.revision,
-            work_rows=ev.k + 1,  # a verify step's rows
-        )
+        target = load_recipe_target(recipe.target, work_rows=ev.k + 1, dtype=ev.dtype)  # a verify step's rows
     drafters = {}
     if head is not None:
         drafters["head"] = HeadDrafter(load_eval_head(head, target))

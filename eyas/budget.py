@@ -211,7 +211,7 @@ def measure(recipe, progress: bool = True) -> Rates:
     from eyas.data.regenerate import before_first_reply, done_records, regenerate
     from eyas.data.templates import prompt_ids
     from eyas.eval.speculate import greedy_decode
-    from eyas.target.load import load_target, resolve_target_path
+    from eyas.target.load import load_recipe_target, resolve_target_path
     from eyas.train.batching import pack_group
     from eyas.train.step_timing import build_head_step, time_head_steps
 
@@ -227,15 +227,7 @@ def measure(recipe, progress: bool = True) -> Rates:
     t0 = time.perf_counter()
     conversations, _ = gather_conversations(cfg)
     read = min(cfg.max_samples, len(conversations))
-    target = load_target(
-        t.name_or_path,
-        t.dtype,
-        t.device,
-        t.attn_implementation,
-        t.trust_remote_code,
-        t.revision,
-        work_rows=rg.batch_size if rg.enabled else cfg.capture_batch_tokens,
-    )
+    target = load_recipe_target(t, work_rows=rg.batch_size if rg.enabled else cfg.capture_batch_tokens)
     stage_start = time.perf_counter() - t0
     tok = target.tokenizer
     cap = max(1, cfg.max_length - rg.max_new_tokens) if rg.enabled else cfg.max_length

@@ -259,6 +259,22 @@ def load_target(
     return Target(model=freeze(model), tokenizer=tokenizer, path=path, hub_id=hub_id)
 
 
+def load_recipe_target(
+    section, work_rows: int, dtype: str | None = None, device: str | None = None
+) -> Target:
+    """`load_target` with the settings of a recipe's `target` section; a stage may ask for
+    another dtype or device (eval's float32, the trainer's accelerator device)."""
+    return load_target(
+        section.name_or_path,
+        dtype or section.dtype,
+        device or section.device,
+        section.attn_implementation,
+        section.trust_remote_code,
+        section.revision,
+        work_rows=work_rows,
+    )
+
+
 def stop_token_ids(model, tokenizer) -> set[int]:
     """The ids that end a reply: the EOS ids of the model's generation config (chat models
     list their end-of-turn token there, e.g. `<|im_end|>`), of its config and of the tokenizer."""
