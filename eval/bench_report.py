@@ -5,12 +5,12 @@ temperature, the lossless check, the recommendation; the printed table and the P
 from __future__ import annotations
 
 import json
-import shlex
 import statistics
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eyas.heads.serving_config import vllm_serve_command
 from eyas.recipe import RunPaths
 
 if TYPE_CHECKING:
@@ -91,11 +91,6 @@ def build_report(s: BenchSettings, points: list[dict]) -> dict:
         "lossless": lossless,
         "recommendation": advise(speedup_by_t.get(greedy, {}), tars, commands),
     }
-
-
-def vllm_serve_command(target: str, spec: dict | None) -> str:
-    line = f"vllm serve {shlex.quote(target)}"
-    return line + (f" --speculative-config {shlex.quote(json.dumps(spec))}" if spec else "")
 
 
 # --- what a person reads ----------------------------------------------------------------

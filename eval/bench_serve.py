@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyas.eval.bench_report import PLOT_NAME, build_report, format_report, plot_speedup, point_key  # noqa: F401
-from eyas.heads.algorithms import get_algorithm
+from eyas.heads.serving_config import speculative_config
 from eyas.recipe import RunPaths
 
 log = logging.getLogger(__name__)
@@ -71,10 +71,7 @@ class Drafter:
                 "prompt_lookup_min": self.ngram_min,
                 "prompt_lookup_max": self.ngram_max,
             }
-        cfg = {"method": "eagle3", "model": self.path, "num_speculative_tokens": k}
-        if get_algorithm(self.algorithm).parallel_drafting:
-            cfg["parallel_drafting"] = True
-        return cfg
+        return speculative_config(self.algorithm, self.path, k)
 
 
 def head_drafter(name: str, path: str) -> Drafter:

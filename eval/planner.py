@@ -21,6 +21,7 @@ from pathlib import Path
 
 from eyas.core.acceptance import expected_tokens_per_step
 from eyas.heads.algorithms import get_algorithm
+from eyas.heads.serving_config import speculative_config as heads_speculative_config
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -387,10 +388,7 @@ def plan(
 
 def speculative_config(plan_: Plan, concurrency: int, model: str) -> dict:
     """The vLLM `--speculative-config` for the best K at `concurrency` (DESIGN §5)."""
-    cfg = {"method": "eagle3", "model": model, "num_speculative_tokens": plan_.best_k[concurrency]}
-    if get_algorithm(plan_.head.algorithm).parallel_drafting:
-        cfg["parallel_drafting"] = True
-    return cfg
+    return heads_speculative_config(plan_.head.algorithm, model, plan_.best_k[concurrency])
 
 
 def assumptions(p: Plan) -> list[str]:

@@ -18,7 +18,6 @@ exact `DraftHeadConfig`; vLLM ignores unknown top-level keys.
 from __future__ import annotations
 
 import json
-import shlex
 from pathlib import Path
 from typing import Literal
 
@@ -30,7 +29,13 @@ from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.io import CONFIG_NAME as EYAS_CONFIG
 from eyas.heads.io import WEIGHTS_NAME as EYAS_WEIGHTS
 from eyas.heads.io import head_state_dict
-from eyas.heads.serving_config import build_eagle, build_layer, build_speculators
+from eyas.heads.serving_config import (
+    build_eagle,
+    build_layer,
+    build_speculators,
+    speculative_config,
+    vllm_serve_command,
+)
 
 ExportFormat = Literal["speculators", "eagle"]
 CONFIG_NAME = "config.json"
@@ -158,11 +163,8 @@ def export_checkpoint(
 
 def serve_command(out_dir: str | Path, cfg: DraftHeadConfig) -> str:
     """The `vllm serve` line for this head (DESIGN §5)."""
-    spec = {"method": "eagle3", "model": str(out_dir), "num_speculative_tokens": cfg.speculative_tokens}
-    if cfg.algorithm_spec.parallel_drafting:
-        spec["parallel_drafting"] = True
-    target = cfg.verifier_name_or_path or "<target>"
-    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"
+    spec = speculative_config(cfg.algorithm, str(out_dir), cfg.speculative_tokens)
+    return vllm_serve_command(cfg.verifier_name_or_path or "<target>", spec)
 
 
 # --- import ---------------------------------------------------------------------------

@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     configs = {alg: P.speculative_config(p, serve_at, model) for alg, p in plans.items()}
     from eyas.core.acceptance import expected_tokens_per_step
     from eyas.eval.advice import advise, format_advice
-    from eyas.eval.bench_report import vllm_serve_command
+    from eyas.heads.serving_config import vllm_serve_command
 
     table = {
         alg: {str(k): {str(b): p.speedup[b][k] for b in p.concurrency} for k in p.ks}
