@@ -20,7 +20,7 @@ def timed(monkeypatch, tmp_path):
     calls = []
 
     def set_times(bf16: float, fp32: float):
-        def fake(dtype, shapes, seconds=0.15):
+        def fake(dtype, shapes, seconds=0.15, give_up_above=None):
             calls.append(dtype)
             return bf16 if dtype == torch.bfloat16 else fp32
 
@@ -72,6 +72,30 @@ def test_a_damaged_cache_is_measured_again(timed):
         torch.float32,
     }
     assert json.loads(path.read_text())
+
+
+def test_a_far_slower_bf16_is_timed_once(timed):
+    """On a CPU that emulates bf16 a run takes seconds: one round settles the verdict."""
+    calls = timed(2.0, 0.01)
+    assert precision.resolve_dtype("auto", "cpu") == "float32"
+    assert calls == [torch.float32, torch.bfloat16]
+
+
+def test_the_timer_stops_after_a_run_slower_than_the_bound(monkeypatch):
+    shapes = precision.MatmulShapes(hidden=64, intermediate=128, vocab=1000, rows=8)
+    mm = torch.mm
+    runs = []
+
+    def counted(a, b):
+        runs.append(1)
+        return mm(a, b)
+
+    monkeypatch.setattr(precision.torch, "mm", counted)
+    precision.time_matmuls(torch.float32, shapes, seconds=0.01, give_up_above=0.0)
+    assert len(runs) == 2  # the warm-up's two multiplies, nothing more
+    runs.clear()
+    precision.time_matmuls(torch.float32, shapes, seconds=0.01)
+    assert len(runs) >= 4
 
 
 def test_the_real_timer_times_both_dtypes_quickly():
