@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -199,6 +200,22 @@ def test_zero3_refuses_a_peagle_head_up_front(prepared):
     assert proc.returncode != 0
     assert "ZeRO-3 cannot train this peagle head" in out and "deepspeed_zero2.yaml" in out, out[-3000:]
     assert not (recipe.parent / recipe.stem / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_an_fsdp_checkpoint_resumes_under_ddp(prepared):
+    """FSDP checkpoints hold the full head and optimizer state in the plain layout: DDP
+    continues one and ends where the FSDP run ended (within the cross-strategy tolerance)."""
+    straight = _run(prepared, "fsdp", "online-peagle")
+    recipe = _recipe(prepared, "online-peagle", "fsdp-then-ddp", max_grad_norm=CLIP)
+    run_dir = recipe.parent / recipe.stem
+    kept = sorted(p.name for p in (straight / "checkpoints").glob("step-*"))
+    assert kept and kept[0] != f"step-{STEPS:08d}", kept
+    shutil.copytree(straight / "checkpoints" / kept[0], run_dir / "checkpoints" / kept[0])
+    out = _finish(_launch("ddp", recipe))
+    assert f"resumed from {run_dir / 'checkpoints' / kept[0]}" in out and "MULTI_CPU" in out
+    diff = _max_diff(_head(straight), _head(run_dir))
+    assert diff <= ATOL, f"DDP from an FSDP checkpoint ends {diff:.3g} away from the FSDP run"
 
 
 KILLS = {
