@@ -159,6 +159,7 @@ class BatchStream:
         self.position = position or DataPosition()
         self._plan_epoch: int | None = None
         self._plan: list[list[int]] = []
+        self.last_index = (0, 0)  # (epoch, index in the epoch plan) of the last batch returned
 
     def plan(self, epoch: int) -> list[list[int]]:
         if self._plan_epoch != epoch:
@@ -195,6 +196,7 @@ class BatchStream:
             self.position = DataPosition(self.position.epoch + 1, 0)
             plan = self.plan(self.position.epoch)
         indices = plan[self.position.batches + self.rank]
+        self.last_index = (self.position.epoch, self.position.batches + self.rank)
         self.position = DataPosition(self.position.epoch, self.position.batches + self.world)
         batch = collate([self._sample(i) for i in indices], self.pad_id, self.pad_to_multiple_of)
         batch["index"] = torch.tensor(indices, dtype=torch.long)  # the samples' indices in `source`

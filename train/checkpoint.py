@@ -7,7 +7,11 @@ Layout of `run_dir/checkpoints/`:
     model.safetensors      the head (`head_state_dict`: the frozen target embedding left out)
     optimizer.pt           optimizer state (tensors and numbers; read with weights_only=True)
     rng-rank{r}.safetensors  torch CPU / CUDA RNG and the loss generator of rank r
-    accelerate/            (DeepSpeed / FSDP only) the engine's own sharded model+optimizer
+    accelerate/            (DeepSpeed only) the engine's own sharded model+optimizer
+
+Under FSDP2 (eyas's own sharding, design §2.8) the head and optimizer are gathered into
+full, unsharded state and written as model.safetensors / optimizer.pt like a plain run's,
+so such a checkpoint resumes under any strategy but DeepSpeed and exports as usual.
   final/                   the trained head (`eyas.heads.io.save_head`), read by `eyas export`
 
 A checkpoint is written into `.tmp-step-N` and renamed when complete, so a kill at any
@@ -49,6 +53,7 @@ class TrainerState:
     total_steps: int = 0  # the run's length when this was saved (0: written before it was kept)
     settings: dict = field(default_factory=dict)  # train/run_settings.py: what the weights were trained under
     changes: list = field(default_factory=list)  # [{"step", "changes"}]: settings changed on a resume
+    logger_run_id: str = ""  # the wandb run a resumed training continues
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=1)
@@ -160,8 +165,89 @@ def weights_only_loads():
 
 
 def uses_engine_state(accelerator) -> bool:
-    """DeepSpeed and FSDP shard model/optimizer state: only their own save/load is right."""
+    """DeepSpeed (and accelerate's own FSDP, which eyas never asks for) shard model/optimizer
+    state: only their own save/load is right."""
     return accelerator.distributed_type.name in ("DEEPSPEED", "FSDP")
+
+
+def is_fsdp(model) -> bool:
+    """Whether `model` was sharded with FSDP2 (`fully_shard`, train/distributed.py)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _full_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_model_state(model) -> dict[str, torch.Tensor]:
+    """The unsharded state dict of an FSDP2 model (a collective: every rank calls it); the
+    tensors on rank 0, an empty dict on the others."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_full_options())
+
+
+def _trainable_names(model) -> list[str]:
+    # the order the loop builds its optimizer in: model.parameters() that require grad
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _fsdp_optimizer_state(model, optimizer) -> dict:
+    """The full optimizer state of an FSDP2 model in `Optimizer.state_dict()`'s own layout
+    (parameters by index), so a plain run loads it unchanged. Collective; rank 0 only."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    by_name = get_optimizer_state_dict(model, _raw(optimizer), options=_full_options())
+    index = {n: i for i, n in enumerate(_trainable_names(model))}
+    return {
+        "state": {index[n]: v for n, v in by_name.get("state", {}).items()},
+        "param_groups": [
+            {**g, "params": [index[n] for n in g["params"]]} for g in by_name.get("param_groups", [])
+        ],
+    }
+
+
+def _load_fsdp(path: Path, model, optimizer) -> None:
+    """Shard a full (plain-layout) checkpoint into an FSDP2 model and its optimizer; every
+    rank reads the files."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    weights = load_file(str(path / "model.safetensors"))
+    head = model.head
+    expected = set(head.state_dict())
+    if not head.trains_embedding:
+        expected.discard("embed_tokens.weight")
+    if set(weights) != expected:
+        raise ValueError(
+            f"{path / 'model.safetensors'}: missing {sorted(expected - set(weights))}, "
+            f"unexpected {sorted(set(weights) - expected)}"
+        )
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, {f"head.{k}": v for k, v in weights.items()}, options=options)
+    saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    names = _trainable_names(model)
+    by_name = {
+        "state": {names[int(i)]: v for i, v in saved["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[int(i)] for i in g["params"]]} for g in saved["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(model, _raw(optimizer), by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def _raw(optimizer):
+    """The torch optimizer under accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def save_checkpoint(
@@ -183,7 +269,16 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    if uses_engine_state(accelerator):
+    if is_fsdp(model):
+        full = full_model_state(model)  # collectives: every rank takes part
+        optim = _fsdp_optimizer_state(model, optimizer)
+        if accelerator.is_main_process:
+            head = {k[len("head.") :]: v.contiguous() for k, v in full.items() if k.startswith("head.")}
+            if not model.head.trains_embedding:
+                head.pop("embed_tokens.weight", None)
+            save_file(head, str(tmp / "model.safetensors"))
+            torch.save(optim, tmp / "optimizer.pt")
+    elif uses_engine_state(accelerator):
         accelerator.save_state(str(tmp / "accelerate"))
     elif accelerator.is_main_process:
         head = accelerator.unwrap_model(model).head
@@ -212,24 +307,28 @@ def load_checkpoint(
     """Restore a checkpoint written by `save_checkpoint` into the prepared objects."""
     path = Path(path)
     state = read_trainer_state(path)
-    if uses_engine_state(accelerator):
+    if is_fsdp(model):
+        if not (path / "model.safetensors").is_file():
+            raise ValueError(f"{path}: a DeepSpeed checkpoint; resume it with the same launcher config")
+        _load_fsdp(path, model, optimizer)
+    elif uses_engine_state(accelerator):
         if not (path / "accelerate").is_dir():
-            raise ValueError(
-                f"{path}: written without DeepSpeed/FSDP; resume it with the same launcher config"
-            )
+            raise ValueError(f"{path}: written without DeepSpeed; resume it with the same launcher config")
         with weights_only_loads():
             accelerator.load_state(str(path / "accelerate"))
     else:
         if not (path / "model.safetensors").is_file():
-            raise ValueError(f"{path}: a DeepSpeed/FSDP checkpoint; resume it with the same launcher config")
+            raise ValueError(f"{path}: a DeepSpeed checkpoint; resume it with the same launcher config")
         head = accelerator.unwrap_model(model).head
-        weights = load_file(str(path / "model.safetensors"), device=str(accelerator.device))
+        # read on the CPU (safetensors refuses "cpu:0", the device of a gloo rank), then copied in
+        weights = load_file(str(path / "model.safetensors"))
         missing, unexpected = head.load_state_dict(weights, strict=False)
         missing = [k for k in missing if not (k == "embed_tokens.weight" and not head.trains_embedding)]
         if missing or unexpected:
             raise ValueError(f"{path / 'model.safetensors'}: missing {missing}, unexpected {unexpected}")
         optimizer.load_state_dict(
-            torch.load(path / "optimizer.pt", map_location=accelerator.device, weights_only=True)
+            # on the CPU ("cpu:0", a gloo rank's device, is no map_location); load_state_dict moves it
+            torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
         )
     rng_file = path / f"rng-rank{accelerator.process_index}.safetensors"
     if rng_file.is_file():

@@ -169,6 +169,23 @@ def _segment_loss(
     return ce.sum() / total, ce.detach(), top
 
 
+def _segments_on_every_rank(head, n: int, device) -> int:
+    """The most segments any rank runs for its micro-batch when the head is sharded (FSDP2
+    or ZeRO-3 gather a layer's weights on every call, a collective): each rank then runs
+    that many, so no rank waits on a gather the others never start. `n` otherwise."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return n
+    from eyas.train.checkpoint import is_fsdp
+
+    if not (any(is_fsdp(m) for m in head.modules()) or any(hasattr(p, "ds_id") for p in head.parameters())):
+        return n
+    most = torch.tensor([n], dtype=torch.long, device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
+
+
 def peagle_loss(
     head: PEagleHead, batch: dict, labels: TargetLabels, train_cfg, generator: torch.Generator | None
 ) -> StepStats:
@@ -190,11 +207,13 @@ def peagle_loss(
     keep = cod_grid(am, depths, cfg.cod_r, cfg.cod_r_min, generator)
     total = max(int(element_label_slots(compact(keep, t), labels)[1].sum()), 1)
     segments = list(segment_keeps(keep, t, depths, cfg.segment_length))
+    real_segments = len(segments)
+    segments += segments[:1] * (_segments_on_every_rank(head, real_segments, aux.device) - real_segments)
     loss_sum = torch.zeros(depths, dtype=torch.float64)
     hits = torch.zeros(depths, dtype=torch.long)
     counts = torch.zeros(depths, dtype=torch.long)
     loss = None
-    for cells, own in segments:
+    for n, (cells, own) in enumerate(segments):
         elements = compact(cells, t)
         owned = own.gather(1, elements.depth * t + elements.anchor) & elements.real
         slot, valid = element_label_slots(elements, labels)
@@ -215,6 +234,10 @@ def peagle_loss(
             seg_loss, ce, pred = checkpoint(_segment_loss, *args, use_reentrant=False)
         else:
             seg_loss, ce, pred = _segment_loss(*args)
+        if n >= real_segments:
+            # a repeat that only keeps this rank's layer calls in step with the others
+            loss = loss + seg_loss * 0.0
+            continue
         loss = seg_loss if loss is None else loss + seg_loss
         d = elements.depth[bi, li].cpu()
         loss_sum.index_add_(0, d, ce.double().cpu())

@@ -1,6 +1,7 @@
-"""The accelerate / DeepSpeed plumbing of the training loop (DESIGN §2.4): which device,
-process group and mixed precision a run gets, the DeepSpeed JSON's "auto" fields, the
-collectives the loop needs, and reading the trained head back out of a sharded engine.
+"""The accelerate / DeepSpeed / FSDP plumbing of the training loop (DESIGN §2.4, §2.8): which
+device, process group and mixed precision a run gets, the DeepSpeed JSON's "auto" fields,
+the FSDP2 sharding eyas applies itself, the collectives the loop needs, and reading the
+trained head back out of a sharded engine.
 
 `train/loop.py` calls these and stays a plain recipe; nothing here decides what is trained.
 """
@@ -9,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 
 import torch
 
 from eyas.core.precision import resolve_mixed_precision, shapes_of_config
-from eyas.train.checkpoint import uses_engine_state
+from eyas.train.checkpoint import full_model_state, is_fsdp, uses_engine_state
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +28,22 @@ def runs_on_cpu(recipe) -> bool:
     return on_cpu and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true"
 
 
+def fsdp_requested() -> bool:
+    """Whether the launcher config asks for FSDP (`distributed_type: FSDP` sets
+    ACCELERATE_USE_FSDP). `make_accelerator` moves the request to EYAS_FSDP: eyas shards the
+    head itself (design §2.8), so accelerate is told nothing about FSDP."""
+    return any(os.environ.get(k, "false").lower() == "true" for k in ("ACCELERATE_USE_FSDP", "EYAS_FSDP"))
+
+
 def make_accelerator(recipe, target=None):
     """The run's `Accelerator`: gradient accumulation from the recipe, the mixed precision
     for its device, and a process group that works without a GPU."""
     from accelerate import Accelerator
+
+    if fsdp_requested():
+        # accelerate 1.16 applies its FSDP plugin only on GPUs (on CPU processes it silently
+        # runs DDP); eyas wraps every head decoder layer with FSDP2 itself on any device.
+        os.environ["EYAS_FSDP"], os.environ["ACCELERATE_USE_FSDP"] = "true", "false"
 
     # Without a GPU, torchrun-launched processes (`accelerate launch --multi_gpu`) only form a
     # gloo process group when accelerate is told to use the CPU.
@@ -50,7 +64,7 @@ def make_accelerator(recipe, target=None):
         log.info(
             "training on %d process(es), %s, device %s, mixed precision %s",
             accelerator.num_processes,
-            accelerator.distributed_type.name,
+            "FSDP2" if fsdp_requested() else accelerator.distributed_type.name,
             accelerator.device,
             accelerator.mixed_precision,
         )
@@ -89,13 +103,89 @@ def fill_deepspeed_config(accelerator, cfg) -> None:
     ds["gradient_accumulation_steps"] = cfg.grad_accum
 
 
+@contextmanager
+def whole_target_loading():
+    """Load the frozen target unpartitioned under a DeepSpeed ZeRO-3 config: transformers'
+    ZeRO-3 integration would otherwise partition it at load (every rank then sees size-0
+    tensors). The target is replicated per rank; only the head is sharded."""
+    try:
+        from transformers.integrations import deepspeed as hf_ds
+    except ImportError:  # pragma: no cover - transformers always ships it
+        yield
+        return
+    saved = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = saved
+
+
+def shard_head(accelerator, model):
+    """FSDP2 (`fully_shard`) over each head decoder layer, then the rest of the head as the
+    root unit, when the launcher config asks for FSDP; otherwise `model` unchanged. Runs
+    before the optimizer is built: sharding replaces the parameters by DTensors."""
+    if not fsdp_requested():
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    if accelerator.num_processes < 2:
+        log.warning("FSDP asked for with one process: the head is not sharded")
+        return model
+    reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() not in ("false", "0")
+    layers = list(model.head.layers)
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    if accelerator.is_main_process:
+        log.info(
+            "FSDP2: %d decoder layer(s) and the root sharded over %d processes",
+            len(layers),
+            accelerator.num_processes,
+        )
+    return model
+
+
 def prepare(accelerator, model, optimizer, cfg):
-    """Wrap the head-with-loss and its optimizer for the launcher (DDP, DeepSpeed, FSDP).
-    The scheduler is not handed over: registered with accelerate it would be stepped once
-    per process and pickled into checkpoints (loaded back with weights_only=False), so the
-    loop steps it and its state travels in state.json."""
+    """Wrap the head-with-loss and its optimizer for the launcher (DDP, DeepSpeed); a head
+    eyas sharded with FSDP2 is not handed over (accelerate would wrap it in DDP), only its
+    optimizer. The scheduler is not handed over either: registered with accelerate it would
+    be stepped once per process and pickled into checkpoints (loaded back with
+    weights_only=False), so the loop steps it and its state travels in state.json."""
     fill_deepspeed_config(accelerator, cfg)
+    if is_fsdp(model):
+        return model, accelerator.prepare(optimizer)
+    _refuse_zero3_with_own_parameters(accelerator, model)
     return accelerator.prepare(model, optimizer)
+
+
+def _refuse_zero3_with_own_parameters(accelerator, model) -> None:
+    """ZeRO-3 gathers a module's own parameters only around that module's forward and
+    backward, and the loss calls the head's parts, never the head itself: a parameter the
+    head holds directly (P-EAGLE's `mask_hidden`) stays partitioned (size 0) in the
+    backward. Refused up front rather than failing mid-step."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None or plugin.zero_stage != 3:
+        return
+    own = [name for name, p in model.head.named_parameters(recurse=False) if p.requires_grad]
+    if own:
+        raise ValueError(
+            f"DeepSpeed ZeRO-3 cannot train this {model.head.config.algorithm} head: it holds "
+            f"{', '.join(own)} itself, which ZeRO-3 leaves partitioned in the backward. Launch it "
+            "with recipes/accelerate/deepspeed_zero2.yaml or recipes/accelerate/fsdp.yaml"
+        )
+
+
+def clip_gradients(accelerator, model, params, max_norm: float) -> torch.Tensor | None:
+    """Clip the gradients to `max_norm` (their global norm over every rank and shard) and
+    return the norm before clipping; None under DeepSpeed, which clips inside its own step
+    (gradient_clipping, filled from the recipe)."""
+    if max_norm <= 0 or uses_engine_state(accelerator):
+        return None
+    norm = accelerator.clip_grad_norm_(params, max_norm)
+    if norm is not None and hasattr(norm, "full_tensor"):  # FSDP2: a DTensor of partial norms
+        norm = norm.full_tensor()
+    return norm
 
 
 def any_rank_nonfinite(accelerator, loss: torch.Tensor) -> bool:
@@ -119,8 +209,8 @@ def trained_head(accelerator, model, head_cfg):
     under DeepSpeed / FSDP gathering the sharded weights is a collective)."""
     from eyas.heads.algorithms import build_head
 
-    if uses_engine_state(accelerator):
-        full = accelerator.get_state_dict(model)
+    if is_fsdp(model) or uses_engine_state(accelerator):
+        full = full_model_state(model) if is_fsdp(model) else accelerator.get_state_dict(model)
         if not accelerator.is_main_process:
             return None
         fresh = build_head(head_cfg)

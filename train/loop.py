@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,13 +24,16 @@ import torch
 from eyas.train.algorithms import loss_function
 from eyas.train.batching import DataPosition
 from eyas.train.build import HeadWithLoss, frozen_output, initial_head
-from eyas.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint, uses_engine_state
+from eyas.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from eyas.train.distributed import (
     any_rank_nonfinite,
+    clip_gradients,
     make_accelerator,
     prepare,
+    shard_head,
     sum_counts_over_ranks,
     trained_head,
+    whole_target_loading,
 )
 from eyas.train.feed import FeatureSource, batch_stream, open_split, to_device
 from eyas.train.metrics import AccuracyMeter, make_logger
@@ -85,6 +89,9 @@ def train(
         if run.saved_at != run.state.step:
             checkpoint(run)
         save_final_head(run)
+        # a process group left to the interpreter's exit can abort a rank there (gloo's
+        # threads), failing a launch whose training succeeded
+        accelerator.end_training()
     finally:
         run.bar.close()
         run.logger.close()
@@ -128,7 +135,7 @@ class Run:
     stream: Any  # the training BatchStream of this rank
     eval_src: Any
     pad_id: int
-    generator: torch.Generator  # the algorithm's sampling (COD), checkpointed per rank
+    generator: torch.Generator  # the algorithm's sampling (COD), reseeded per micro-batch
     state: TrainerState
     total: int  # optimizer steps of the whole run
     saved_at: int = -1  # step of the newest checkpoint written or resumed from
@@ -137,6 +144,7 @@ class Run:
     meter: AccuracyMeter = field(default_factory=AccuracyMeter)
     last_train: dict = field(default_factory=dict)
     last_eval: dict = field(default_factory=dict)
+    grad_norm: float | None = None  # before clipping, at the last update (None: not measured)
     window_start: float = 0.0  # the throughput window since the last train log
     window_tokens: int = 0
 
@@ -149,7 +157,8 @@ def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool = Tru
     device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
     torch.manual_seed(cfg.seed)
     if target is None:
-        target = _load_target(recipe, device)
+        with whole_target_loading():
+            target = _load_target(recipe, device)
     target.model.to(device)
     pad_id = getattr(target.tokenizer, "pad_token_id", None) or 0
     head, head_cfg = _build_head(recipe, target, device)
@@ -161,7 +170,7 @@ def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool = Tru
     steps_per_epoch = max(1, stream.batches_per_epoch() // (world * cfg.grad_accum))
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
 
-    model = HeadWithLoss(head, loss_function(head_cfg.algorithm), cfg)
+    model = shard_head(accelerator, HeadWithLoss(head, loss_function(head_cfg.algorithm), cfg))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=cfg.learning_rate, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
@@ -188,7 +197,9 @@ def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool = Tru
     )
     if earlier.latest is not None:
         _resume(run, earlier)
-    run.logger = _open_logger(recipe, accelerator)
+    if not run.state.logger_run_id:
+        run.state.logger_run_id = uuid.uuid4().hex[:12]
+    run.logger = _open_logger(recipe, accelerator, run.saved_at if earlier.latest else None, run.state)
     run.bar = _progress_bar(run, progress)
     run.window_start = time.perf_counter()
     model.train()
@@ -281,9 +292,9 @@ def _resume(run: Run, earlier: EarlierRun) -> None:
         log.info("resumed from %s (step %d)", latest, state.step)
 
 
-def _open_logger(recipe, accelerator):
+def _open_logger(recipe, accelerator, resume_step, state: TrainerState):
     """The metrics logger (rank 0 only), after writing the recipe this run trains under
-    from now on."""
+    from now on; a resumed run continues its logs from the checkpoint's step."""
     from eyas.recipe import dump_recipe
 
     paths = recipe.paths
@@ -291,7 +302,14 @@ def _open_logger(recipe, accelerator):
         return make_logger("none", paths.root)
     paths.root.mkdir(parents=True, exist_ok=True)
     paths.recipe.write_text(dump_recipe(recipe))
-    return make_logger(recipe.train.logger, paths.root, recipe.name, recipe.model_dump(mode="json"))
+    return make_logger(
+        recipe.train.logger,
+        paths.root,
+        recipe.name,
+        recipe.model_dump(mode="json"),
+        resume_step=resume_step,
+        run_id=state.logger_run_id,
+    )
 
 
 def _progress_bar(run: Run, progress: bool):
@@ -316,6 +334,9 @@ def train_step(run: Run) -> bool:
     skipped = False
     for _ in range(cfg.grad_accum):
         batch, labels = run.features.complete(to_device(next(run.stream), accelerator.device))
+        # the sampling of a micro-batch depends on its place in the epoch alone, so any
+        # process count (and a resume) draws the same for the same global batch
+        run.generator.manual_seed(micro_batch_seed(cfg.seed, *run.stream.last_index))
         with accelerator.accumulate(run.model):
             with accelerator.autocast():
                 stats = run.model(batch, labels, run.generator)
@@ -333,18 +354,27 @@ def train_step(run: Run) -> bool:
     return skipped
 
 
+def micro_batch_seed(seed: int, epoch: int, index: int) -> int:
+    """The sampling seed of micro-batch `index` (over all ranks) of `epoch`."""
+    return ((seed * 1_000_003 + epoch) * 1_000_003 + index) % (2**63)
+
+
 def _apply_update(run: Run, skipped: bool) -> bool:
     """Clip, step the optimizer unless the step is skipped, and advance the schedule either
     way (the schedule counts steps, not updates)."""
     cfg, accelerator = run.recipe.train, run.accelerator
-    # DeepSpeed clips inside its own step (gradient_clipping, filled from the recipe); sharded
-    # engine gradients are not clipped here
-    if cfg.max_grad_norm > 0 and not uses_engine_state(accelerator):
-        norm = accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm)
-        if norm is not None and not torch.isfinite(norm):
+    # DDP / FSDP2 / one process clip here; DeepSpeed clips inside its own step
+    # (gradient_clipping, filled from the recipe) and reports its norm after it
+    norm = clip_gradients(accelerator, run.model, run.params, cfg.max_grad_norm)
+    if norm is not None:
+        run.grad_norm = float(norm)
+        if not torch.isfinite(norm):
             skipped = True
     if not skipped:
         run.optimizer.step()
+        engine_norm = getattr(run.model, "get_global_grad_norm", None)
+        if engine_norm is not None and (value := engine_norm()) is not None:
+            run.grad_norm = float(value)
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     return skipped
@@ -383,6 +413,8 @@ def _log_train(run: Run) -> None:
         metrics = run.meter.summary("train/")
         metrics["train/tokens_per_s"] = run.window_tokens * run.accelerator.num_processes / max(elapsed, 1e-9)
         metrics["train/lr"] = run.scheduler.get_last_lr()[0]
+        if run.grad_norm is not None:
+            metrics["train/grad_norm"] = run.grad_norm
         run.logger.log(metrics, run.state.step)
         run.bar.set_postfix(
             loss=f"{metrics['train/loss']:.3f}",

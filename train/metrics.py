@@ -75,8 +75,14 @@ class Logger:
 
 
 class JsonlLogger(Logger):
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, resume_step: int | None = None):
         path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and path.is_file():
+            # steps a killed run logged after its last checkpoint are trained again: drop them
+            kept = [
+                line for line in path.read_text().splitlines(keepends=True) if _step_of(line) <= resume_step
+            ]
+            path.write_text("".join(kept))
         self.f = open(path, "a", buffering=1)
 
     def log(self, metrics: dict, step: int) -> None:
@@ -87,10 +93,13 @@ class JsonlLogger(Logger):
 
 
 class TensorboardLogger(Logger):
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, resume_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(log_dir))
+        # one directory is one tensorboard run; purge_step hides what a killed run logged
+        # after the checkpoint it resumes from
+        purge = None if resume_step is None else resume_step + 1
+        self.writer = SummaryWriter(str(log_dir), purge_step=purge)
 
     def log(self, metrics: dict, step: int) -> None:
         for k, v in metrics.items():
@@ -102,15 +111,18 @@ class TensorboardLogger(Logger):
 
 
 class WandbLogger(Logger):
-    """wandb; offline (files under run_dir/wandb, `wandb sync` later) when no API key."""
+    """wandb; offline (files under run_dir/wandb, `wandb sync` later) when no API key. The
+    run id is kept in the checkpoints (`TrainerState.logger_run_id`), so a resumed training
+    continues the same wandb run."""
 
-    def __init__(self, run_dir: Path, name: str, config: dict):
+    def __init__(self, run_dir: Path, name: str, config: dict, run_id: str | None = None):
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "eyas"),
             name=name,
+            id=run_id,
             dir=str(run_dir),
             config=config,
             mode=mode,
@@ -128,16 +140,31 @@ def _plain(v):
     return float(v) if hasattr(v, "item") else v
 
 
-def make_logger(kind: str, run_dir: str | Path, name: str = "run", config: dict | None = None) -> Logger:
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return 0  # a torn last line of a killed run: kept only if it parses
+
+
+def make_logger(
+    kind: str,
+    run_dir: str | Path,
+    name: str = "run",
+    config: dict | None = None,
+    resume_step: int | None = None,
+    run_id: str | None = None,
+) -> Logger:
     """The logger of `train.logger`: 'jsonl' (run_dir/metrics.jsonl), 'tensorboard'
-    (run_dir/tensorboard), 'wandb', or 'none'."""
+    (run_dir/tensorboard), 'wandb', or 'none'. `resume_step`: the checkpoint step a resumed
+    run continues from (what was logged after it is dropped); `run_id`: the wandb run."""
     run_dir = Path(run_dir)
     if kind == "jsonl":
-        return JsonlLogger(run_dir / RunPaths.METRICS)
+        return JsonlLogger(run_dir / RunPaths.METRICS, resume_step)
     if kind == "tensorboard":
-        return TensorboardLogger(run_dir / "tensorboard")
+        return TensorboardLogger(run_dir / "tensorboard", resume_step)
     if kind == "wandb":
-        return WandbLogger(run_dir, name, config or {})
+        return WandbLogger(run_dir, name, config or {}, run_id)
     if kind == "none":
         return Logger()
     raise ValueError(f"unknown train.logger {kind!r}: jsonl, tensorboard, wandb or none")
