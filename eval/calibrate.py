@@ -1,13 +1,15 @@
 """Fit the planner's hardware terms to a measured `eyas bench-serve` report (DESIGN §6.3).
 
-The planner's cost of a pass (eval/planner.py) has four hardware terms: a fixed overhead
-per pass, a latency per decoder layer, an effective memory bandwidth and an effective
-FLOP rate. Each measured level gives output tokens/s at a batch (the mean number of
-requests in flight) and a context; speculative levels also give the measured tokens per
-target forward, so only the cost model is fitted, never the acceptance. The fit minimises
-the squared log error of tokens/s over the fit points; held-out points (concurrencies or
-K values left out) are predicted, and the speedup error there says how far to trust the
-planner at points nobody measured.
+The planner's cost of an engine step (eval/planner.py) has five hardware terms: a fixed
+overhead per step, one per forward pass, a latency per decoder layer, an effective memory
+bandwidth and an effective FLOP rate. Each measured level gives output tokens/s at a batch
+(the mean number of requests in flight) and a context; speculative levels also give the
+measured tokens per target forward and the draft tokens the engine verified per step, so
+only the cost model is fitted, never the acceptance or how often an n-gram drafter
+matched. Each step also carries its share of the prompts' prefill (the engine mixes it
+into decode steps). The fit minimises the squared log error of tokens/s over the fit
+points; held-out points (concurrencies or K values left out) are predicted, and the
+speedup error there says how far to trust the planner at points nobody measured.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from eyas.eval.planner import (
     Hardware,
     HeadSize,
     TargetSize,
-    draft_time,
     head_size,
+    step_time,
     target_size_from_config,
-    target_time,
 )
 
-PARAMS = ("pass_overhead", "layer_latency", "hbm_bandwidth", "peak_flops")
+PARAMS = ("step_overhead", "pass_overhead", "layer_latency", "hbm_bandwidth", "peak_flops")
+# Where the fit searches (log space, so Nelder-Mead cannot step to an overflow): from 0.1 us
+# to 1 s per step, pass or layer, 0.1 GB/s to 100 TB/s, 1 GFLOP/s to 10 PFLOP/s.
+BOUNDS = ((1e-7, 1.0), (1e-7, 1.0), (1e-8, 1.0), (1e8, 1e14), (1e9, 1e16))
 
 
 class CalibrationError(ValueError):
@@ -67,13 +71,26 @@ def _heads(report: dict, target: TargetSize) -> dict[str, HeadSize]:
     return out
 
 
-def predicted_tok_s(hw: Hardware, target: TargetSize, head: HeadSize | None, point: dict) -> float:
-    """Output tokens/s the planner's cost model gives for one measured level."""
+def predicted_tok_s(
+    hw: Hardware, target: TargetSize, head: HeadSize | None, point: dict, workload: dict | None = None
+) -> float:
+    """Output tokens/s the planner's cost model gives for one measured level: its batch,
+    context, tokens per forward and draft tokens per step as measured, and the prompts'
+    prefill spread over each request's steps (`workload`: mean_prompt_tokens, max_tokens)."""
     b, ctx = max(point["mean_in_flight"], 1e-3), int(point["mean_context"])
+    e = point.get("tokens_per_forward") or 1.0
+    steps = point["output_tokens"] / e if point.get("output_tokens") else 0.0
+    workload = workload or {}
+    prefill = (
+        workload["mean_prompt_tokens"] * e / workload["max_tokens"]
+        if workload.get("mean_prompt_tokens") and workload.get("max_tokens")
+        else 0.0
+    )
     if head is None:
-        return b / target_time(hw, target, b, 1, ctx)
-    e, k = point["tokens_per_forward"], point["k"]
-    step = draft_time(hw, head, b, k, e, ctx) + target_time(hw, target, b, k + 1, ctx)
+        return b * e / step_time(hw, target, None, b, ctx, prefill=prefill)
+    # steps of the whole level, each verifying its sequences' drafts: per sequence per step
+    drafted = point["draft_tokens"] / steps if steps and point.get("draft_tokens") is not None else None
+    step = step_time(hw, target, head, b, ctx, k=point["k"], accepted=e, drafted=drafted, prefill=prefill)
     return b * e / step
 
 
@@ -87,6 +104,7 @@ def _hardware(x, name: str) -> Hardware:
         values["pass_overhead"],
         bw_efficiency=1.0,
         flops_efficiency=1.0,
+        step_overhead=values["step_overhead"],
     )
 
 
@@ -114,19 +132,33 @@ def calibrate(report: dict, holdout_concurrency=(), holdout_k=(), name: str = "m
     if not any(p["kind"] == "plain" for p in fit) or not any(p["kind"] != "plain" for p in fit):
         raise CalibrationError("the fit needs plain and speculative levels outside the held-out ones")
 
+    workload = report.get("workload") or {}
+
+    def predict(hw: Hardware, p: dict) -> float:
+        return predicted_tok_s(hw, target, heads.get(p["drafter"]), p, workload)
+
     def loss(x) -> float:
         hw = _hardware(x, name)
-        return sum(
-            (math.log(predicted_tok_s(hw, target, heads.get(p["drafter"]), p)) - math.log(p["output_tok_s"]))
-            ** 2
-            for p in fit
-        )
+        return sum((math.log(predict(hw, p)) - math.log(p["output_tok_s"])) ** 2 for p in fit)
 
-    # start from a generic accelerator-less host: 10 ms per pass, 0.1 ms per layer, 20 GB/s, 100 GFLOP/s
-    starts = [[math.log(v) for v in (o, 1e-4, bw, 1e11)] for o in (1e-3, 1e-2) for bw in (5e9, 5e10)]
+    # starts around a host without an accelerator: 1-10 ms per step, 0.1-1 ms per pass,
+    # 0.1 ms per layer, 5-50 GB/s, 100 GFLOP/s
+    starts = [
+        [math.log(v) for v in (so, po, 1e-4, bw, 1e11)]
+        for so in (1e-3, 1e-2)
+        for po in (1e-4, 1e-3)
+        for bw in (5e9, 5e10)
+    ]
+    bounds = [(math.log(lo), math.log(hi)) for lo, hi in BOUNDS]
     best = min(
         (
-            minimize(loss, x0, method="Nelder-Mead", options={"maxiter": 4000, "xatol": 1e-4, "fatol": 1e-10})
+            minimize(
+                loss,
+                x0,
+                method="Nelder-Mead",
+                bounds=bounds,
+                options={"maxiter": 8000, "xatol": 1e-5, "fatol": 1e-12},
+            )
             for x0 in starts
         ),
         key=lambda r: r.fun,
@@ -134,7 +166,7 @@ def calibrate(report: dict, holdout_concurrency=(), holdout_k=(), name: str = "m
     hw = _hardware(best.x, name)
     cal = Calibration(hw, target)
     for p in points:
-        pred = predicted_tok_s(hw, target, heads.get(p["drafter"]), p)
+        pred = predict(hw, p)
         row = {
             "drafter": p["drafter"],
             "k": p["k"],
@@ -146,7 +178,7 @@ def calibrate(report: dict, holdout_concurrency=(), holdout_k=(), name: str = "m
         base = plain.get(p["concurrency"])
         if p["kind"] != "plain" and base:
             meas = p["output_tok_s"] / base["output_tok_s"]
-            guess = pred / predicted_tok_s(hw, target, None, base)
+            guess = pred / predict(hw, base)
             row.update(measured_speedup=meas, predicted_speedup=guess, speedup_error=guess / meas - 1)
         (cal.heldout_points if held(p) else cal.fit_points).append(row)
     cal.max_fit_error = max(abs(r["tok_s_error"]) for r in cal.fit_points)
@@ -163,7 +195,8 @@ def default_holdout(report: dict) -> list[int]:
 def format_calibration(cal: Calibration) -> str:
     hw = cal.hardware
     lines = [
-        f"fitted {hw.name}: {hw.pass_overhead * 1e3:.2f} ms/pass + {hw.layer_latency * 1e6:.0f} us/layer, "
+        f"fitted {hw.name}: {hw.step_overhead * 1e3:.2f} ms/step + {hw.pass_overhead * 1e3:.2f} ms/pass "
+        f"+ {hw.layer_latency * 1e6:.0f} us/layer, "
         f"{hw.hbm_bandwidth / 1e9:.1f} GB/s, {hw.peak_flops / 1e9:.0f} GFLOP/s (effective)",
         f"{'':4}{'drafter':>10} {'K':>3} {'conc':>5} {'meas t/s':>9} {'pred t/s':>9} {'meas x':>7} "
         f"{'pred x':>7} {'err':>6}",

@@ -9,8 +9,10 @@ that N tokens route to, 1 - (1 - e/E)^N of them in expectation) + the KV cache o
 sequences; flops = 2 * active params * N + attention over the context. The fixed terms
 model launch/latency floors, which dominate a small batch: they are why a chain of K
 head passes (EAGLE-3) costs much more than one pass (P-EAGLE) at concurrency 1.
-Speedup(B, K) = E_K * t_plain(B) / (t_draft(B, K) + t_verify(B, K+1)), where
-E_K = expected_tokens_per_step(a_1..a_K) (never 1 / (1 - aK)).
+An engine step adds a fixed step_overhead (scheduling, sampling) once, however many
+passes it runs. Speedup(B, K) = E_K * t_plain(B) / (t_draft(B, K) + t_verify(B, K+1)),
+both sides with the step overhead, where E_K = expected_tokens_per_step(a_1..a_K)
+(never 1 / (1 - aK)).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class Hardware:
     hbm_bandwidth: float  # bytes/s
     peak_flops: float  # dense BF16 FLOP/s
     layer_latency: float = 50e-6  # s per decoder layer per pass: kernel launches, tiny GEMM latency
-    pass_overhead: float = 300e-6  # s per pass: sampling, lm_head, scheduling
+    pass_overhead: float = 300e-6  # s per forward pass, the target's and each draft pass alike
+    step_overhead: float = 0.0  # s per engine step however many passes: scheduling, sampling
     bw_efficiency: float = 0.8
     flops_efficiency: float = 0.3  # grouped MoE GEMMs at small per-expert batch
     memory_bytes: float = 0.0  # accelerator memory, for the VRAM tax (0: unknown)
@@ -292,7 +295,7 @@ def pass_time(hw: Hardware, layers: int, weight_bytes: float, flops: float, kv_b
     return hw.pass_overhead + layers * hw.layer_latency + max(mem, compute)
 
 
-def target_time(hw: Hardware, t: TargetSize, batch: int, tokens_per_seq: int, context: int) -> float:
+def target_time(hw: Hardware, t: TargetSize, batch: float, tokens_per_seq: float, context: int) -> float:
     n = batch * tokens_per_seq
     return pass_time(
         hw,
@@ -316,6 +319,27 @@ def draft_time(hw: Hardware, head: HeadSize, batch: int, k: int, accepted: float
         return pass_time(hw, head.num_layers, wbytes, 2 * head.params * n, kv)
     first = pass_time(hw, head.num_layers, wbytes, 2 * head.params * batch * accepted, kv)
     return first + (k - 1) * pass_time(hw, head.num_layers, wbytes, 2 * head.params * batch, kv)
+
+
+def step_time(
+    hw: Hardware,
+    target: TargetSize,
+    head: HeadSize | None,
+    batch: float,
+    context: int,
+    k: int = 0,
+    accepted: float = 1.0,
+    drafted: float | None = None,
+    prefill: float = 0.0,
+) -> float:
+    """One engine step of `batch` sequences: the step overhead, the draft passes (`head`
+    None: plain decoding) and the target's pass over each sequence's 1 + `drafted` tokens
+    (default K: a head always drafts K; an n-gram drafter only after a match) plus
+    `prefill` prompt tokens per sequence that the step carries (the engine mixes prompt
+    chunks into decode steps)."""
+    tokens = 1 + (k if drafted is None else drafted) + prefill if head is not None else 1 + prefill
+    draft = draft_time(hw, head, batch, k, accepted, context) if head is not None else 0.0
+    return hw.step_overhead + draft + target_time(hw, target, batch, tokens, context)
 
 
 def _parallel(algorithm: str) -> bool:
@@ -372,12 +396,11 @@ def plan(
     p = Plan(hw, target, head, rates, context, list(concurrency), ks)
     p.vram = vram_tax(hw, target, head, context)
     for b in concurrency:
-        plain = target_time(hw, target, b, 1, context)
+        plain = step_time(hw, target, None, b, context)
         row = {}
         for k in ks:
             e = expected_tokens_per_step(rates[:k])
-            step = draft_time(hw, head, b, k, e, context) + target_time(hw, target, b, k + 1, context)
-            row[k] = e * plain / step
+            row[k] = e * plain / step_time(hw, target, head, b, context, k=k, accepted=e)
         p.speedup[b] = row
         best = max(row, key=row.get)
         p.best_k[b] = best
@@ -396,7 +419,8 @@ def assumptions(p: Plan) -> list[str]:
     lines = [
         f"hardware {hw.name}: HBM {hw.hbm_bandwidth / 1e12:.2f} TB/s x{hw.bw_efficiency}, "
         f"peak {hw.peak_flops / 1e12:.0f} TFLOP/s (dense bf16) x{hw.flops_efficiency}, "
-        f"fixed {hw.pass_overhead * 1e6:.0f} us/pass + {hw.layer_latency * 1e6:.0f} us/layer",
+        f"fixed {hw.pass_overhead * 1e6:.0f} us/pass + {hw.layer_latency * 1e6:.0f} us/layer"
+        + (f" + {hw.step_overhead * 1e6:.0f} us/engine step" if hw.step_overhead else ""),
         f"target {t.name}: {t.total_params / 1e9:.2f}B params ({t.active_params / 1e9:.2f}B active), "
         f"{t.num_layers} layers, weights read per token {t.weight_bytes(1) / 1e9:.2f} GB, "
         f"KV {t.kv_bytes(p.context) / 1e6:.1f} MB per sequence at context {p.context}",
@@ -405,7 +429,7 @@ def assumptions(p: Plan) -> list[str]:
         "acceptance a_k: "
         + ", ".join(f"{a:.3f}" for a in p.acceptance)
         + " (positions past the measured ones repeat the last measured rate)",
-        "E_K = 1 + sum_k prod_{j<=k} a_j; speedup = E_K * t_plain / (t_draft + t_verify(K+1))",
+        "E_K = 1 + sum_k prod_{j<=k} a_j; speedup = E_K * t_plain / (t_step + t_draft + t_verify(K+1))",
         format_vram_tax(p.vram),
     ]
     return lines

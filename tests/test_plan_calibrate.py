@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from eyas.eval import planner as P
-from eyas.eval.calibrate import CalibrationError, calibrate
+from eyas.eval.calibrate import CalibrationError, calibrate, predicted_tok_s
 
 RECORDED = Path(__file__).parent / "fixtures" / "bench_serve" / "smollm2_cpu_quickstart.json"
 
@@ -32,15 +32,55 @@ def test_held_out_points_are_predicted_not_fitted(recorded):
 
 
 # The goal of the serving-speed issue: held-out speedups within 15%. On this 2-core CPU
-# recording the four-term cost model misses it (about 17% interpolating concurrency 2, more
-# for a held-out K; docs/experiments.md 2026-12-03). strict: a model that meets it must
-# remove this mark.
-@pytest.mark.xfail(strict=True, reason="the roofline cost model does not yet fit vLLM-CPU within 15%")
+# recording the cost model misses it by a little: 16.9% interpolating concurrency 2, 19.5%
+# for a held-out K (44% before the model counted the draft tokens the engine really verified,
+# the prompts' prefill and a per-step overhead; docs/experiments.md 2026-12-04). The levels
+# themselves disagree by more than that: n-gram K=5 at concurrency 4 ran 15% slower than
+# K=3 with the same draft tokens per step. strict: a model that meets it must remove this mark.
+@pytest.mark.xfail(strict=True, reason="one run per level on a drifting CPU: the levels disagree by ~15%")
 def test_calibrated_planner_predicts_held_out_points_within_15_percent(recorded):
     from eyas.eval.calibrate import default_holdout
 
     assert calibrate(recorded, holdout_concurrency=default_holdout(recorded)).max_heldout_error < 0.15
     assert calibrate(recorded, holdout_k=[max(recorded["ks"])]).max_heldout_error < 0.15
+
+
+def test_held_out_k_and_extrapolated_concurrency_stay_near_the_measurement(recorded):
+    # a held-out K and the largest concurrency extrapolated: within 25% (the first model,
+    # which charged every n-gram step K draft tokens and no prefill, missed by 44% and 57%)
+    assert calibrate(recorded, holdout_k=[max(recorded["ks"])]).max_heldout_error < 0.25
+    assert calibrate(recorded, holdout_concurrency=[max(recorded["concurrency"])]).max_heldout_error < 0.25
+
+
+def test_an_ngram_level_costs_the_draft_tokens_it_verified(recorded):
+    # an n-gram drafter proposes only after a match: the verify pass carries what it drafted
+    cal = calibrate(recorded)
+    point = next(
+        p
+        for p in recorded["points"]
+        if p["drafter"] == "ngram" and p["concurrency"] == 8 and p["temperature"] == 0
+    )
+    ngram = P.HeadSize("ngram", 0, 0.0, 0.0)
+    measured = predicted_tok_s(cal.hardware, cal.target, ngram, point, recorded["workload"])
+    every_step = {**point, "draft_tokens": point["k"] * point["output_tokens"] / point["tokens_per_forward"]}
+    assert predicted_tok_s(cal.hardware, cal.target, ngram, every_step, recorded["workload"]) < 0.9 * measured
+
+
+def test_a_report_that_drives_a_term_to_infinity_is_fitted_inside_the_bounds(recorded):
+    # plain and n-gram levels whose step time does not grow with the batch at all: the fit
+    # wants infinite bandwidth and FLOP rate (the live slow-tier bench once overflowed here)
+    from eyas.eval.calibrate import BOUNDS, PARAMS
+
+    report = json.loads(json.dumps(recorded))
+    report["drafters"] = {k: v for k, v in report["drafters"].items() if v["kind"] != "head"}
+    report["points"] = [
+        {**p, "output_tok_s": 25.0 * p["mean_in_flight"] * p["tokens_per_forward"]}
+        for p in report["points"]
+        if p["kind"] != "head"
+    ]
+    cal = calibrate(report)
+    for name, (lo, hi) in zip(PARAMS, BOUNDS):
+        assert lo * 0.999 <= getattr(cal.hardware, name) <= hi * 1.001, name
 
 
 def test_calibration_needs_plain_and_speculative_points(recorded):
