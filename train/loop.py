@@ -89,8 +89,10 @@ def train(
         if run.saved_at != run.state.step:
             checkpoint(run)
         save_final_head(run)
-        # a process group left to the interpreter's exit can abort a rank there (gloo's
-        # threads), failing a launch whose training succeeded
+        # every rank done with its collectives before any destroys the process group; one
+        # left to the interpreter's exit can abort a rank there (gloo's threads, see
+        # train/__main__.py), failing a launch whose training succeeded
+        accelerator.wait_for_everyone()
         accelerator.end_training()
     finally:
         run.bar.close()
