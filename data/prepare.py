@@ -125,6 +125,8 @@ def prepare(recipe, out_dir: Path | None = None, tokenizer=None, target=None, pr
     from eyas.target.load import load_recipe_target, load_tokenizer
 
     cfg = recipe.data
+    if cfg.from_run and out_dir is None:
+        return read_prepared_meta(recipe.paths.prepared, made_by=cfg.from_run)
     out_dir = Path(out_dir or recipe.paths.prepared)
     out_dir.mkdir(parents=True, exist_ok=True)
     conversations, report = gather_conversations(cfg)
@@ -331,6 +333,22 @@ def prepared_digest(splits: dict[str, list[int]], ids: list[list[int]], masks: l
             h.update(np.asarray(masks[i], dtype=np.uint8).tobytes())
             h.update(len(ids[i]).to_bytes(8, "little"))
     return h.hexdigest()
+
+
+def read_prepared_meta(path: str | Path, made_by: str | None = None) -> dict:
+    """A finished prepared directory's meta.json (what `prepare` returned when it wrote it).
+    `made_by`: the run that should have written it (data.from_run), named when it is absent."""
+    meta = Path(path) / RunPaths.PREPARED_META
+    if not meta.is_file():
+        whose = f"data.from_run={made_by} has" if made_by else "there is"
+        raise FileNotFoundError(
+            f"{whose} no finished prepared data ({meta} is missing); run `eyas prepare` with "
+            "that run's recipe first"
+        )
+    try:
+        return json.loads(meta.read_text())
+    except json.JSONDecodeError as err:
+        raise NoUsableDataError(f"{meta}: damaged ({err}); rerun `eyas prepare`") from None
 
 
 def read_prepared_digest(path: str | Path) -> str | None:

@@ -93,6 +93,8 @@ def estimate(rates: Rates, recipe, max_samples: int, epochs: float) -> dict[str,
     forward = tokens * rates.capture_s_per_token
     captured = forward * (UNCOPIED_SHARE if cfg.regenerate.enabled and cfg.regenerate.keep_states else 1.0)
     train_samples = samples * (1 - cfg.eval_fraction)
+    if cfg.from_run:  # another run's prepared data and cache, as they are: train samples counted
+        prepare, captured, train_samples = 0.0, 0.0, samples
     per_epoch = train_samples / max(rates.samples_per_step, 1e-9)
     steps = math.ceil(per_epoch * epochs / tr.grad_accum) * tr.grad_accum
     if tr.max_steps is not None:
@@ -152,6 +154,12 @@ def _most_epochs(rates, recipe, left, n: int, lo: float, hi: float) -> float | N
     return fitting[-1] if fitting else None
 
 
+def kept_keys(recipe, fixed: tuple[str, ...]) -> tuple[str, ...]:
+    """The sized keys that keep the recipe's value: those the user set, and the number of
+    conversations of a run on another run's data (data.from_run: that data is what it is)."""
+    return (*fixed, "data.max_samples") if recipe.data.from_run else fixed
+
+
 def choose(rates: Rates, recipe, left_s: float, fixed: tuple[str, ...] = ()) -> Choice:
     """The conversations and epochs that fit `left_s` seconds: the recipe's when they fit;
     otherwise fewer conversations at the recipe's epochs, down to FEWEST_CONVERSATIONS of
@@ -161,6 +169,9 @@ def choose(rates: Rates, recipe, left_s: float, fixed: tuple[str, ...] = ()) -> 
     epochs than its recipe's is undertrained (docs/experiments.md). A key in `fixed` (set
     by the user) keeps the recipe's value."""
     n0, e0 = recipe.data.max_samples, float(recipe.train.epochs)
+    fixed = kept_keys(recipe, fixed)
+    if recipe.data.from_run:  # the reused data's train samples
+        n0 = rates.conversations_read
     can_n, can_e = "data.max_samples" not in fixed, "train.epochs" not in fixed
     floor = max(1, min(n0, rates.probe_conversations or 256))
     full = sum(estimate(rates, recipe, n0, e0).values())
@@ -216,6 +227,8 @@ def measure(recipe, progress: bool = True) -> Rates:
     from eyas.train.step_timing import build_head_step, time_head_steps
 
     cfg, rg, t = recipe.data, recipe.data.regenerate, recipe.target
+    if cfg.from_run:
+        return _measure_training_only(recipe)
     if cfg.max_samples is None:
         raise BudgetError("the time budget sizes data.max_samples: set it in the recipe (the most to read)")
     if rg.enabled and rg.backend != "hf":
@@ -309,6 +322,51 @@ def measure(recipe, progress: bool = True) -> Rates:
     )
 
 
+def _measure_training_only(recipe) -> Rates:
+    """The probe for a recipe that reads another run's data (data.from_run): nothing to
+    regenerate or capture, so the training steps at the batches the reused samples pack
+    into, and the eval's decoding. Counts are train samples (one per "conversation")."""
+    from eyas.data.prepare import load_prepared, read_prepared_meta
+    from eyas.eval.speculate import greedy_decode
+    from eyas.target.load import load_recipe_target
+    from eyas.train.batching import pack_group
+    from eyas.train.step_timing import build_head_step, time_head_steps
+
+    read_prepared_meta(recipe.paths.prepared, made_by=recipe.data.from_run)
+    t0 = time.perf_counter()
+    train = load_prepared(recipe.paths.prepared)["train"]
+    target = load_recipe_target(recipe.target, work_rows=recipe.train.batch_tokens)
+    stage_start = time.perf_counter() - t0
+    lengths = [len(x) for x in train["input_ids"]]
+    packed = pack_group(range(len(lengths)), lengths, recipe.train.batch_tokens, recipe.train.max_batch_size)
+    typical = sorted(packed, key=len)[len(packed) // 2]
+    seq = max(lengths[i] for i in typical)
+    device = target.model.get_output_embeddings().weight.device
+    step = build_head_step(
+        recipe, target.config, recipe.target.name_or_path, device, rows=recipe.train.batch_tokens
+    )
+    times = time_head_steps(step, target.config, len(typical), seq, device, steps=3, warmup=2)
+    step_s, later_step_s = sorted(times.first_epoch)[1], sorted(times.later_epoch)[1]
+    del step
+    prompt = [{"role": "user", "content": "Write a short note about the sea."}]
+    decode_s = _decode_seconds_per_token(recipe, target, target.tokenizer, prompt, greedy_decode)
+    return Rates(
+        conversations_read=len(lengths),
+        regenerable=len(lengths),
+        probe_conversations=0,
+        regen_batch_s=0.0,
+        samples_per_conversation=1.0,
+        sample_tokens=sum(lengths) / len(lengths),
+        samples_per_step=len(lengths) / len(packed),
+        step_s=step_s,
+        later_step_s=later_step_s,
+        train_warmup_s=max(0.0, sum(times.warmup) - len(times.warmup) * step_s),
+        capture_s_per_token=0.0,
+        decode_s_per_token=decode_s,
+        stage_start_s=stage_start + 5.0,
+    )
+
+
 def _decode_seconds_per_token(recipe, target, tokenizer, conversation, greedy_decode) -> float:
     """Plain batch-1 greedy decoding of 24 tokens at the eval's dtype, per token. The
     target is cast in place to that dtype: this is the probe's last use of it."""
@@ -344,6 +402,7 @@ def size_run(
         if saved.get("budget_s") == budget_s and saved.get("recipe") == recipe.name:
             log.info("using the sizing of %s (delete it to measure again)", path)
             return saved
+    fixed = kept_keys(recipe, fixed)
     start = time.perf_counter()
     rates = measure(recipe, progress)
     probe_s = time.perf_counter() - start

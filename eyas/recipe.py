@@ -114,6 +114,10 @@ class DataSection(_Section):
     dedupe: bool = True
     eval_fraction: float = Field(0.02, ge=0, lt=1)  # 1 would leave nothing to train on
     regenerate: RegenerateSection = Field(default_factory=RegenerateSection)
+    # Another run directory whose prepared data and feature cache this run reads as they
+    # are (e.g. a P-EAGLE head on the EAGLE-3 quickstart's data): `eyas prepare` and
+    # `eyas capture` only check that they are there; that run's recipe makes them.
+    from_run: str | None = None
     features: Literal["offline", "online"] = "offline"  # capture cache, or target on the fly
     aux_layer_ids: list[NonNegativeInt] | None = None  # None: (2, L//2, L-3)
     cache_dtype: Literal["bf16", "fp8"] = "bf16"
@@ -294,7 +298,7 @@ class Recipe(_Section):
 
     @property
     def paths(self) -> RunPaths:
-        return RunPaths(Path(self.run_dir))
+        return RunPaths(Path(self.run_dir), Path(self.data.from_run) if self.data.from_run else None)
 
 
 class RunPaths:
@@ -327,10 +331,12 @@ class RunPaths:
     BENCH_SERVE_POINTS = "points.jsonl"
     BENCH_SERVE_PLOT = "bench_serve.png"
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, data_root: Path | None = None):
         self.root = root
-        self.prepared = root / "prepared"
-        self.cache = root / "cache"
+        # the prepared data and cache: this run's own, or another run's (data.from_run)
+        self.data_root = data_root or root
+        self.prepared = self.data_root / "prepared"
+        self.cache = self.data_root / "cache"
         self.checkpoints = root / "checkpoints"
         self.export = root / "export"
         self.eval = root / "eval"

@@ -12,6 +12,10 @@
 #   bash scripts/quickstart.sh [key.sub=value ...]     (recipe overrides, e.g. run_dir=runs/x)
 # Environment: EYAS_RECIPE (default recipes/smollm2-135m-eagle3.yaml), EYAS_BUDGET (default
 # 30m for the whole run, setup included; "off" runs the recipe as it is).
+# A recipe that reads another run's data (data.from_run, e.g. the P-EAGLE quickstart's
+# recipes/smollm2-135m-peagle.yaml) has that run made first when it is missing, by the
+# quickstart of EYAS_BASE_RECIPE (default recipes/smollm2-135m-eagle3.yaml); the budget
+# then counts from where that one ended.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RECIPE=${EYAS_RECIPE:-recipes/smollm2-135m-eagle3.yaml}
@@ -27,6 +31,17 @@ scripts/setup_env.sh
 EYAS=(.venv/bin/eyas)
 export TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
 took setup
+
+FROM=$(.venv/bin/python -c 'import sys; from eyas.recipe import load_recipe
+print(load_recipe(sys.argv[1], sys.argv[2:]).data.from_run or "")' "$RECIPE" "$@")
+if [ -n "$FROM" ] && [ ! -f "$FROM/export/config.json" ]; then
+  BASE=${EYAS_BASE_RECIPE:-recipes/smollm2-135m-eagle3.yaml}
+  stamp "data.from_run=$FROM has no finished run yet: the quickstart of $BASE first"
+  EYAS_RECIPE=$BASE bash scripts/quickstart.sh
+  start=$(date +%s)
+  last=$start
+  TOOK=()
+fi
 
 SIZED=()
 if [ "$BUDGET" != off ]; then

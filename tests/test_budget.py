@@ -239,3 +239,16 @@ def test_stdout_holds_only_the_overrides_whatever_the_probe_prints(monkeypatch, 
     out, err = capfd.readouterr()
     assert out.splitlines() == ["data.max_samples=1350", "train.epochs=1.5"]
     assert "Setting accelerator to CPU" in err and "raw notice on fd 1" in err
+
+
+def test_a_run_on_another_runs_data_sizes_only_its_epochs():
+    # the P-EAGLE quickstart reads the EAGLE-3 quickstart's data (data.from_run): nothing to
+    # regenerate or capture, the reused train samples are what they are
+    recipe = load_recipe("recipes/smollm2-135m-peagle.yaml", [])
+    r = replace(rates(speed=3.0), conversations_read=5184, regenerable=5184, samples_per_conversation=1.0)
+    est = estimate(r, recipe, 5184, 2)
+    assert est["prepare"] == est["capture"] == r.stage_start_s and est["train"] > 600
+    left = est["train"] * 0.6 + 4 * r.stage_start_s + est["eval"]
+    c = choose(r, recipe, left)
+    assert c.max_samples == 5184 and 1.0 <= c.epochs < 2.0 and c.epochs * 4 == int(c.epochs * 4)
+    assert sum(c.estimates.values()) <= left

@@ -116,16 +116,26 @@ def _tiny_recipe_data(
         model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(list(stops))
         server = FakeChatServer(tokenizer, model).__enter__()
         overrides += ["data.regenerate.launch=null", f"data.regenerate.server_urls=[{server.url}]"]
+    # a recipe that reads another run's data (data.from_run): that run is made here, by the
+    # same recipe with its own data, and the stages after this one read it
+    data_run = tmp_path / "data" if recipe.data.from_run else run
+    own_data = [f"run_dir={data_run}", "data.from_run=null"] if recipe.data.from_run else []
     try:
         for stage in ("prepare", "capture"):
-            assert main([stage, "--no-progress", "-r", str(recipe_path), *overrides]) == 0, (stage, what)
+            args = [stage, "--no-progress", "-r", str(recipe_path), *overrides, *own_data]
+            assert main(args) == 0, (stage, what)
     finally:
         if server is not None:
             server.__exit__(None, None, None)
     if server is not None:
         assert server.requests, "the recipe's regeneration never reached the server"
-    report = json.loads((run / "prepared" / "drop_report.json").read_text())
+    report = json.loads((data_run / "prepared" / "drop_report.json").read_text())
     assert report["kept"] > 0, report
+    if recipe.data.from_run:
+        overrides.append(f"data.from_run={data_run}")
+        for stage in ("prepare", "capture"):  # they only check the other run's data
+            assert main([stage, "--no-progress", "-r", str(recipe_path), *overrides]) == 0, stage
+        assert not (run / "prepared").exists() and not (run / "cache").exists()
     return recipe_path, overrides
 
 
