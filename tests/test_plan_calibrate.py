@@ -13,6 +13,9 @@ from eyas.eval import planner as P
 from eyas.eval.calibrate import CalibrationError, calibrate, predicted_tok_s
 
 RECORDED = Path(__file__).parent / "fixtures" / "bench_serve" / "smollm2_cpu_quickstart.json"
+# a second recording, another day and machine (a Xeon with AMX): plain, n-gram, the EAGLE-3
+# quickstart head and the P-EAGLE quickstart head, K 3 and 5, concurrency 1-8
+RECORDED_PEAGLE = RECORDED.with_name("smollm2_cpu_peagle.json")
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +46,19 @@ def test_calibrated_planner_predicts_held_out_points_within_15_percent(recorded)
 
     assert calibrate(recorded, holdout_concurrency=default_holdout(recorded)).max_heldout_error < 0.15
     assert calibrate(recorded, holdout_k=[max(recorded["ks"])]).max_heldout_error < 0.15
+
+
+def test_on_the_second_recording_interpolated_concurrencies_are_predicted_within_15_percent():
+    # the goal, met where the fit interpolates: the default held-out concurrency (2), and 4
+    from eyas.eval.calibrate import default_holdout
+
+    report = json.loads(RECORDED_PEAGLE.read_text())
+    assert {d["algorithm"] for d in report["drafters"].values() if d["kind"] == "head"} == {
+        "eagle3",
+        "peagle",
+    }
+    assert calibrate(report, holdout_concurrency=default_holdout(report)).max_heldout_error < 0.15
+    assert calibrate(report, holdout_concurrency=[4]).max_heldout_error < 0.15
 
 
 def test_held_out_k_and_extrapolated_concurrency_stay_near_the_measurement(recorded):
