@@ -26,7 +26,6 @@ from eyas.data.cache import (
     quantize_fp8,
     read_manifest,
     sha256_bytes,
-    stale_cache_problem,
     write_manifest,
 )
 from eyas.recipe import RunPaths
@@ -299,32 +298,6 @@ def capture_split(
     return manifest
 
 
-def _reused_cache(recipe, splits: Sequence[str], say) -> dict[str, dict]:
-    """data.from_run: the other run's cache, checked (complete, of its prepared data), never
-    written: capturing into another run's directory is that run's recipe's work."""
-    from eyas.data.prepare import load_prepared, read_prepared_meta
-
-    prepared, cache = recipe.paths.prepared, recipe.paths.cache
-    try:
-        digest = read_prepared_meta(prepared, made_by=recipe.data.from_run).get("digest")
-    except FileNotFoundError as err:
-        raise CaptureError(str(err)) from None
-    manifests = {}
-    for split in [s for s in splits if s in load_prepared(prepared)]:
-        manifest = read_manifest(cache / split)
-        if manifest is None or not manifest.get("complete"):
-            raise CaptureError(
-                f"data.from_run={recipe.data.from_run}: no complete {split} cache at {cache / split}; "
-                "run `eyas capture` with that run's recipe first"
-            )
-        stale = stale_cache_problem(cache / split, manifest.get("prepared_digest"), digest)
-        if stale:
-            raise CaptureError(stale)
-        manifests[split] = manifest
-    say(f"capture: reading the cache of data.from_run={recipe.data.from_run} ({cache}); nothing to capture")
-    return manifests
-
-
 def capture(
     recipe,
     splits: Sequence[str] = ("train", "eval"),
@@ -350,7 +323,9 @@ def capture(
         return {}
     prepared, cache = recipe.paths.prepared, recipe.paths.cache
     if recipe.data.from_run:
-        return _reused_cache(recipe, splits, say)
+        from eyas.data.from_run import reused_cache
+
+        return reused_cache(recipe, splits, say)
     if not (prepared / RunPaths.DATASET).is_dir():
         raise CaptureError(f"no prepared data at {prepared}; run `eyas prepare` first")
     dd = load_prepared(prepared)

@@ -1,0 +1,35 @@
+"""Another run's data (data.from_run, DESIGN §2.3): a run that trains on the prepared data
+and feature cache of another run checks them here and never writes there."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from eyas.data.cache import read_manifest, stale_cache_problem
+from eyas.data.capture import CaptureError
+
+
+def reused_cache(recipe, splits: Sequence[str], say) -> dict[str, dict]:
+    """The other run's cache, checked (complete, of its prepared data), never
+    written: capturing into another run's directory is that run's recipe's work."""
+    from eyas.data.prepare import load_prepared, read_prepared_meta
+
+    prepared, cache = recipe.paths.prepared, recipe.paths.cache
+    try:
+        digest = read_prepared_meta(prepared, made_by=recipe.data.from_run).get("digest")
+    except FileNotFoundError as err:
+        raise CaptureError(str(err)) from None
+    manifests = {}
+    for split in [s for s in splits if s in load_prepared(prepared)]:
+        manifest = read_manifest(cache / split)
+        if manifest is None or not manifest.get("complete"):
+            raise CaptureError(
+                f"data.from_run={recipe.data.from_run}: no complete {split} cache at {cache / split}; "
+                "run `eyas capture` with that run's recipe first"
+            )
+        stale = stale_cache_problem(cache / split, manifest.get("prepared_digest"), digest)
+        if stale:
+            raise CaptureError(stale)
+        manifests[split] = manifest
+    say(f"capture: reading the cache of data.from_run={recipe.data.from_run} ({cache}); nothing to capture")
+    return manifests

@@ -1,0 +1,185 @@
+"""The time budget's probe (DESIGN §2.7): the stages' own code run on a few batches of the
+recipe's work on this machine, returned as `eyas.budget.Rates` for the estimates."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from eyas.budget import BudgetError, Rates
+from eyas.recipe import RunPaths
+
+
+def measure(recipe, progress: bool = True) -> Rates:
+    """Run the probe (module docstring) and return what it measured."""
+    import torch
+
+    from eyas.data.conversations import DropReport
+    from eyas.data.prepare import gather_conversations, regeneration_kwargs, render_all
+    from eyas.data.regenerate import before_first_reply, done_records, regenerate
+    from eyas.data.templates import prompt_ids
+    from eyas.eval.speculate import greedy_decode
+    from eyas.target.load import load_recipe_target, resolve_target_path
+    from eyas.train.batching import pack_group
+    from eyas.train.step_timing import build_head_step, time_head_steps
+
+    cfg, rg, t = recipe.data, recipe.data.regenerate, recipe.target
+    if cfg.from_run:
+        return _measure_training_only(recipe)
+    if cfg.max_samples is None:
+        raise BudgetError("the time budget sizes data.max_samples: set it in the recipe (the most to read)")
+    if rg.enabled and rg.backend != "hf":
+        raise BudgetError(
+            "the time budget measures in-process regeneration (data.regenerate.backend=hf); "
+            "with a serving engine, size data.max_samples yourself"
+        )
+    resolve_target_path(t.name_or_path)  # a once-per-machine conversion is no stage's start-up cost
+    t0 = time.perf_counter()
+    conversations, _ = gather_conversations(cfg)
+    read = min(cfg.max_samples, len(conversations))
+    target = load_recipe_target(t, work_rows=rg.batch_size if rg.enabled else cfg.capture_batch_tokens)
+    stage_start = time.perf_counter() - t0
+    tok = target.tokenizer
+    cap = max(1, cfg.max_length - rg.max_new_tokens) if rg.enabled else cfg.max_length
+    # the probe batch comes from the conversations every choice keeps (the first probe-sized
+    # share of what is read), so its replies are never wasted
+    batch = rg.batch_size if rg.enabled else 256
+    pool_n = min(len(conversations), max(batch * 2, len(conversations) // 4))
+    first = {i: len(prompt_ids(tok, before_first_reply(conversations[i]))) for i in range(pool_n)}
+    regen_path = Path(recipe.paths.prepared) / RunPaths.REGENERATED
+    done = set(done_records(regen_path)) if rg.enabled else set()
+    pool = sorted((i for i in first if first[i] <= cap and i not in done), key=lambda i: (first[i], i))
+    if not pool:
+        raise BudgetError(
+            f"no conversation among the first {pool_n} read has a prompt of at most {cap} tokens"
+        )
+    mid = max(0, len(pool) // 2 - batch // 2)
+    probe = pool[mid : mid + batch]
+    fits_share = sum(first[i] <= cap for i in first) / len(first)
+    regen_s = 0.0
+    if rg.enabled:
+        report = DropReport()
+        out_dir = Path(recipe.paths.prepared)
+        start = time.perf_counter()
+        regenerated = regenerate(
+            conversations,
+            tok,
+            regen_path,
+            only=probe,
+            **regeneration_kwargs(recipe, target, out_dir, report, progress),
+        )
+        regen_s = time.perf_counter() - start
+        samples = [regenerated[i] for i in probe if any(m["role"] == "assistant" for m in regenerated[i])]
+    else:
+        samples = [conversations[i] for i in probe]
+    ids, _, _ = render_all(
+        tok,
+        samples,
+        cfg.max_length,
+        cfg.train_on,
+        DropReport(),
+        progress=False,
+        truncate=cfg.over_length == "truncate",
+    )
+    if not ids:
+        raise BudgetError(f"none of the probe's {len(probe)} conversations rendered to a sample")
+    lengths = [len(x) for x in ids]
+    packed = pack_group(range(len(ids)), lengths, recipe.train.batch_tokens, recipe.train.max_batch_size)
+    typical = sorted(packed, key=len)[len(packed) // 2]
+    seq = max(lengths[i] for i in typical)
+    device = target.model.get_output_embeddings().weight.device
+    # one forward at the capture's batch (warm first)
+    rows = max(1, cfg.capture_batch_tokens // seq)
+    x = torch.randint(0, target.config.vocab_size, (rows, seq), device=device)
+    with torch.no_grad():
+        target.model(input_ids=x, output_hidden_states=True, use_cache=False)  # warm
+        start = time.perf_counter()
+        target.model(input_ids=x, output_hidden_states=True, use_cache=False)
+    capture_s_per_token = (time.perf_counter() - start) / (rows * seq)
+    step = build_head_step(recipe, target.config, t.name_or_path, device, rows=recipe.train.batch_tokens)
+    times = time_head_steps(step, target.config, len(typical), seq, device, steps=3, warmup=2)
+    step_s, later_step_s = sorted(times.first_epoch)[1], sorted(times.later_epoch)[1]
+    train_warmup_s = max(0.0, sum(times.warmup) - len(times.warmup) * step_s)
+    del step
+    decode_s = _decode_seconds_per_token(recipe, target, tok, samples[0], greedy_decode)
+    return Rates(
+        conversations_read=read,
+        regenerable=round(fits_share * len(conversations)),
+        probe_conversations=len(probe) if rg.enabled else 0,
+        regen_batch_s=regen_s,
+        samples_per_conversation=len(ids) / len(probe),
+        sample_tokens=sum(lengths) / len(lengths),
+        samples_per_step=len(ids) / len(packed),
+        step_s=step_s,
+        later_step_s=later_step_s,
+        train_warmup_s=train_warmup_s,
+        capture_s_per_token=capture_s_per_token,
+        decode_s_per_token=decode_s,
+        stage_start_s=stage_start + 5.0,
+    )
+
+
+def _measure_training_only(recipe) -> Rates:
+    """The probe for a recipe that reads another run's data (data.from_run): nothing to
+    regenerate or capture, so the training steps at the batches the reused samples pack
+    into, and the eval's decoding. Counts are train samples (one per "conversation")."""
+    from eyas.data.prepare import load_prepared, read_prepared_meta
+    from eyas.eval.speculate import greedy_decode
+    from eyas.target.load import load_recipe_target
+    from eyas.train.batching import pack_group
+    from eyas.train.step_timing import build_head_step, time_head_steps
+
+    read_prepared_meta(recipe.paths.prepared, made_by=recipe.data.from_run)
+    t0 = time.perf_counter()
+    train = load_prepared(recipe.paths.prepared)["train"]
+    target = load_recipe_target(recipe.target, work_rows=recipe.train.batch_tokens)
+    stage_start = time.perf_counter() - t0
+    lengths = [len(x) for x in train["input_ids"]]
+    packed = pack_group(range(len(lengths)), lengths, recipe.train.batch_tokens, recipe.train.max_batch_size)
+    typical = sorted(packed, key=len)[len(packed) // 2]
+    seq = max(lengths[i] for i in typical)
+    device = target.model.get_output_embeddings().weight.device
+    step = build_head_step(
+        recipe, target.config, recipe.target.name_or_path, device, rows=recipe.train.batch_tokens
+    )
+    times = time_head_steps(step, target.config, len(typical), seq, device, steps=3, warmup=2)
+    step_s, later_step_s = sorted(times.first_epoch)[1], sorted(times.later_epoch)[1]
+    del step
+    prompt = [{"role": "user", "content": "Write a short note about the sea."}]
+    decode_s = _decode_seconds_per_token(recipe, target, target.tokenizer, prompt, greedy_decode)
+    return Rates(
+        conversations_read=len(lengths),
+        regenerable=len(lengths),
+        probe_conversations=0,
+        regen_batch_s=0.0,
+        samples_per_conversation=1.0,
+        sample_tokens=sum(lengths) / len(lengths),
+        samples_per_step=len(lengths) / len(packed),
+        step_s=step_s,
+        later_step_s=later_step_s,
+        train_warmup_s=max(0.0, sum(times.warmup) - len(times.warmup) * step_s),
+        capture_s_per_token=0.0,
+        decode_s_per_token=decode_s,
+        stage_start_s=stage_start + 5.0,
+    )
+
+
+def _decode_seconds_per_token(recipe, target, tokenizer, conversation, greedy_decode) -> float:
+    """Plain batch-1 greedy decoding of 24 tokens at the eval's dtype, per token. The
+    target is cast in place to that dtype: this is the probe's last use of it."""
+    import torch
+
+    from eyas.core.precision import resolve_dtype, shapes_of_config
+    from eyas.data.regenerate import before_first_reply
+    from eyas.data.templates import prompt_ids
+
+    model = target.model
+    device = model.get_output_embeddings().weight.device
+    name = recipe.eval.dtype or recipe.target.dtype
+    shapes = shapes_of_config(target.config, recipe.eval.k + 1) if name == "auto" else None
+    model.to(getattr(torch, resolve_dtype(name, device, shapes)))
+    prompt = prompt_ids(tokenizer, before_first_reply(conversation))[-64:]
+    greedy_decode(model, prompt, 2, set())
+    start = time.perf_counter()
+    trace = greedy_decode(model, prompt, 24, set())
+    return (time.perf_counter() - start) / max(1, len(trace.tokens))
