@@ -346,21 +346,20 @@ def read_prepared_meta(path: str | Path, made_by: str | None = None) -> dict:
             "that run's recipe first"
         )
     try:
-        return json.loads(meta.read_text())
+        loaded = json.loads(meta.read_text())
     except json.JSONDecodeError as err:
         raise NoUsableDataError(f"{meta}: damaged ({err}); rerun `eyas prepare`") from None
+    if not isinstance(loaded, dict):
+        raise NoUsableDataError(f"{meta}: damaged (not a JSON object); rerun `eyas prepare`")
+    return loaded
 
 
 def read_prepared_digest(path: str | Path) -> str | None:
     """The digest in a prepared directory's meta.json (None: no meta.json, or written
     before digests were recorded)."""
-    meta = Path(path) / RunPaths.PREPARED_META
-    if not meta.is_file():
+    if not (Path(path) / RunPaths.PREPARED_META).is_file():
         return None
-    try:
-        return json.loads(meta.read_text()).get("digest")
-    except (json.JSONDecodeError, AttributeError) as err:
-        raise NoUsableDataError(f"{meta}: damaged ({err}); rerun `eyas prepare`") from None
+    return read_prepared_meta(path).get("digest")
 
 
 def load_prepared(path: str | Path):
