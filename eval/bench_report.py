@@ -19,8 +19,27 @@ if TYPE_CHECKING:
 PLOT_NAME = RunPaths.BENCH_SERVE_PLOT
 
 
-def point_key(drafter: str, k: int | None, temperature: float, concurrency: int) -> str:
-    return f"{drafter}|{k}|{temperature:g}|{concurrency}"
+def point_key(drafter: str, k: int | None, temperature: float, concurrency: int, repeat: int = 0) -> str:
+    return f"{drafter}|{k}|{temperature:g}|{concurrency}" + (f"|r{repeat}" if repeat else "")
+
+
+def median_levels(points: list[dict]) -> list[dict]:
+    """One point per level from its repeats: the repeat with the median output tokens/s
+    (the lower of the two middle ones for an even count), so one run that the host's drift
+    slowed or sped cannot decide a level, and every number of the kept point belongs to one
+    run. `repeat_tok_s` lists every repeat's tokens/s, slowest first."""
+    by_level: dict[str, list[dict]] = {}
+    for p in points:
+        by_level.setdefault(point_key(p["drafter"], p["k"], p["temperature"], p["concurrency"]), []).append(p)
+    out = []
+    for runs in by_level.values():
+        runs = sorted(runs, key=lambda p: p["output_tok_s"])
+        kept = dict(runs[(len(runs) - 1) // 2])
+        kept.pop("repeat", None)
+        kept["repeats"] = len(runs)
+        kept["repeat_tok_s"] = [p["output_tok_s"] for p in runs]
+        out.append(kept)
+    return out
 
 
 def target_summary(target: str) -> dict:
@@ -30,8 +49,11 @@ def target_summary(target: str) -> dict:
 
 
 def build_report(s: BenchSettings, points: list[dict]) -> dict:
-    """Points -> the report: the speedup table, the lossless check and the recommendation."""
+    """Points (every repeat of every level) -> the report: one median point per level, the
+    speedup table, the lossless check and the recommendation."""
     from eyas.eval.advice import advise
+
+    points = median_levels(points)
 
     by_key = {point_key(p["drafter"], p["k"], p["temperature"], p["concurrency"]): p for p in points}
     spec_drafters = [d for d in s.drafters if d.kind != "plain"]
@@ -75,6 +97,7 @@ def build_report(s: BenchSettings, points: list[dict]) -> dict:
             "source": s.workload,
             "prompts": len(s.prompts),
             "max_tokens": s.max_tokens,
+            "repeats": s.repeats,
             "mean_prompt_tokens": statistics.fmean(len(p) for p in s.prompts) if s.prompts else 0,
         },
         "drafters": {d.name: asdict(d) for d in s.drafters},
@@ -82,7 +105,7 @@ def build_report(s: BenchSettings, points: list[dict]) -> dict:
         "concurrency": s.concurrency,
         "temperatures": s.temperatures,
         "points": sorted(
-            (dict((k, v) for k, v in p.items() if k != "fingerprint") for p in points),
+            (dict((k, v) for k, v in p.items() if k not in ("fingerprint", "drafter_id")) for p in points),
             key=lambda p: (p["drafter"], p["k"] or 0, p["temperature"], p["concurrency"]),
         ),
         "speedup": speedup_by_t.get(greedy, {}),

@@ -7,8 +7,9 @@ engine, every (temperature, concurrency) level sends the whole workload through 
 OpenAI completions endpoint (prompt token ids rendered by eyas with the target's chat
 template, streamed so time to first token is seen), `concurrency` requests in flight.
 Speculative counters come from the engine's Prometheus `/metrics`, read before and after
-each level. Each finished level is appended to `points.jsonl`, so a killed bench resumes
-at the first level it had not finished.
+each level. With `repeats` > 1 the engine runs every level once, then again, and the
+report keeps each level's median run. Each finished level is appended to `points.jsonl`,
+so a killed bench resumes at the first level it had not finished.
 """
 
 from __future__ import annotations
@@ -73,6 +74,19 @@ class Drafter:
             }
         return speculative_config(self.algorithm, self.path, k)
 
+    def identity(self, k: int | None) -> str:
+        """What a measured level was measured with: the speculative config and, for a head,
+        the size and time of each file in its directory, so a head retrained in place (or
+        another head under the same name) is measured again rather than reused."""
+        key: list = [self.speculative_config(k) if k else None]
+        if self.kind == "head" and self.path and Path(self.path).is_dir():
+            key += sorted(
+                (f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                for f in Path(self.path).iterdir()
+                if f.is_file()
+            )
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
 
 def head_drafter(name: str, path: str) -> Drafter:
     """A head directory read as vLLM will: its algorithm, layers and draft vocabulary."""
@@ -105,6 +119,7 @@ class BenchSettings:
     startup_timeout_s: float = 1800.0
     request_timeout_s: float = 1800.0
     seed: int = 0
+    repeats: int = 1  # runs of each level; not in the fingerprint, so more can be added later
 
     def fingerprint(self) -> str:
         """What makes two measurements comparable; points of another setting are not reused."""
@@ -324,7 +339,8 @@ def load_points(path: Path, fingerprint: str) -> dict[str, dict]:
             )
             continue
         if p.get("fingerprint") == fingerprint:
-            done[point_key(p["drafter"], p["k"], p["temperature"], p["concurrency"])] = p
+            key = point_key(p["drafter"], p["k"], p["temperature"], p["concurrency"], p.get("repeat", 0))
+            done[key] = p
     return done
 
 
@@ -345,9 +361,14 @@ def run_bench(s: BenchSettings, out_dir: Path, progress: bool = True) -> dict:
     fp = s.fingerprint()
     done = load_points(points_path, fp)
     url = f"http://127.0.0.1:{s.port}"
-    levels = [(t, c) for t in s.temperatures for c in s.concurrency]
+    # every level once, then every level again: a repeat is spread over the engine's life
+    levels = [(r, t, c) for r in range(s.repeats) for t in s.temperatures for c in s.concurrency]
     for drafter, k in engine_plan(s):
-        todo = [(t, c) for t, c in levels if point_key(drafter.name, k, t, c) not in done]
+        ident = drafter.identity(k)
+        for key in [key for key, p in done.items() if (p["drafter"], p["k"]) == (drafter.name, k)]:
+            if done[key].get("drafter_id") != ident:
+                del done[key]  # measured with another head or config under this name
+        todo = [(r, t, c) for r, t, c in levels if point_key(drafter.name, k, t, c, r) not in done]
         if not todo:
             continue
         spec = drafter.speculative_config(k) if k else None
@@ -359,23 +380,26 @@ def run_bench(s: BenchSettings, out_dir: Path, progress: bool = True) -> dict:
             warm = s.prompts[: min(4, len(s.prompts))]
             asyncio.run(run_level(url, warm, len(warm), s, 0.0))  # compile and cache warm-up, not measured
             bar = tqdm(total=len(todo) * len(s.prompts), desc=label, unit="req", disable=not progress)
-            for temperature, conc in todo:
+            for repeat, temperature, conc in todo:
                 before = read_counters(url)
                 results, wall = asyncio.run(run_level(url, s.prompts, conc, s, temperature, bar))
                 point = {
                     "fingerprint": fp,
+                    "drafter_id": ident,
                     "drafter": drafter.name,
                     "kind": drafter.kind,
                     "k": k,
                     "temperature": temperature,
                     "concurrency": conc,
+                    "repeat": repeat,
                     **summarize_level(results, wall, counter_delta(before, read_counters(url))),
                 }
                 with open(points_path, "a") as f:
                     f.write(json.dumps(point) + "\n")
-                done[point_key(drafter.name, k, temperature, conc)] = point
+                done[point_key(drafter.name, k, temperature, conc, repeat)] = point
             bar.close()
-    report = build_report(s, list(done.values()))
+    wanted = {point_key(d.name, k, t, c, r) for d, k in engine_plan(s) for r, t, c in levels}
+    report = build_report(s, [p for key, p in done.items() if key in wanted])
     (out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
     plot_speedup(report, out_dir / PLOT_NAME)
     return report

@@ -127,6 +127,79 @@ def test_killed_bench_resumes_without_measuring_again(fake_engine, tmp_path):
     assert len(fake_engine.read_text().splitlines()) == 5
 
 
+def test_repeated_levels_report_the_median_run_and_resume(fake_engine, tmp_path):
+    s = _settings(
+        tmp_path,
+        drafters=[B.Drafter("plain", "plain"), B.Drafter("ngram", "ngram")],
+        ks=[3],
+        temperatures=[0.0],
+        repeats=3,
+    )
+    out = tmp_path / "out"
+    report = B.run_bench(s, out, progress=False)
+    assert len(fake_engine.read_text().splitlines()) == 2  # repeats run on the same engine
+    lines = [json.loads(x) for x in (out / B.POINTS_NAME).read_text().splitlines()]
+    assert len(lines) == 2 * 2 * 3 and {p["repeat"] for p in lines} == {0, 1, 2}
+    assert len(report["points"]) == 4 and report["workload"]["repeats"] == 3
+    for p in report["points"]:
+        runs = sorted(
+            x["output_tok_s"]
+            for x in lines
+            if (x["drafter"], x["concurrency"]) == (p["drafter"], p["concurrency"])
+        )
+        assert p["repeats"] == 3 and p["repeat_tok_s"] == runs and p["output_tok_s"] == runs[1]
+    plain1 = next(p for p in report["points"] if (p["drafter"], p["concurrency"]) == ("plain", 1))
+    ngram1 = next(p for p in report["points"] if (p["drafter"], p["concurrency"]) == ("ngram", 1))
+    assert report["speedup"]["ngram"]["3"]["1"] == pytest.approx(
+        ngram1["output_tok_s"] / plain1["output_tok_s"]
+    )
+
+    # killed during ngram's last repeat: only that level runs again, on one engine
+    (out / B.POINTS_NAME).write_text("".join(json.dumps(p) + "\n" for p in lines[:-1]))
+    B.run_bench(s, out, progress=False)
+    assert len(fake_engine.read_text().splitlines()) == 3
+    assert len((out / B.POINTS_NAME).read_text().splitlines()) == 12
+    # a fourth repeat adds one run per level and keeps the three
+    more = B.run_bench(
+        _settings(tmp_path, drafters=s.drafters, ks=[3], temperatures=[0.0], repeats=4, port=s.port),
+        out,
+        progress=False,
+    )
+    assert len((out / B.POINTS_NAME).read_text().splitlines()) == 16
+    assert all(p["repeats"] == 4 for p in more["points"])
+
+
+def test_another_head_under_the_same_name_is_measured_again(fake_engine, tmp_path):
+    heads = []
+    for name in ("a", "b"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"name": name}))
+        heads.append(d)
+    s = _settings(tmp_path, ks=[2], concurrency=[1], temperatures=[0.0])
+    out = tmp_path / "out"
+    use = lambda d: [B.Drafter("plain", "plain"), B.Drafter("e3", "head", str(d), "eagle3", 1, 100)]  # noqa: E731
+    B.run_bench(
+        _settings(tmp_path, drafters=use(heads[0]), ks=[2], concurrency=[1], temperatures=[0.0], port=s.port),
+        out,
+        progress=False,
+    )
+    B.run_bench(
+        _settings(tmp_path, drafters=use(heads[0]), ks=[2], concurrency=[1], temperatures=[0.0], port=s.port),
+        out,
+        progress=False,
+    )
+    assert len(fake_engine.read_text().splitlines()) == 2  # the same head: nothing measured again
+    report = B.run_bench(
+        _settings(tmp_path, drafters=use(heads[1]), ks=[2], concurrency=[1], temperatures=[0.0], port=s.port),
+        out,
+        progress=False,
+    )
+    starts = fake_engine.read_text().splitlines()
+    assert len(starts) == 3 and str(heads[1]) in starts[-1]
+    assert [p["drafter"] for p in report["points"]] == ["e3", "plain"]
+
+
 def test_engine_that_dies_is_reported_with_its_log(monkeypatch, tmp_path):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # no vllm to import
     from eyas.core.engine_process import EngineError
@@ -189,6 +262,8 @@ def test_cli_benches_a_head_directory_with_the_targets_prompts(fake_engine, tiny
             "1,2",
             "--temperatures",
             "0",
+            "--repeats",
+            "2",
             "--max-tokens",
             "6",
             "--vllm-python",
@@ -205,7 +280,8 @@ def test_cli_benches_a_head_directory_with_the_targets_prompts(fake_engine, tiny
     report = json.loads(capsys.readouterr().out)
     assert set(report["speedup"]) == {"ngram", "pe"} and set(report["speedup"]["pe"]["3"]) == {"1", "2"}
     assert report["drafters"]["pe"]["algorithm"] == "peagle" and report["drafters"]["pe"]["num_layers"] == 2
-    assert report["workload"]["prompts"] == 3
+    assert report["workload"]["prompts"] == 3 and report["workload"]["repeats"] == 2
+    assert all(p["repeats"] == 2 for p in report["points"])
     starts = [json.loads(line) for line in fake_engine.read_text().splitlines()]
     assert all(s[0] == str(tiny_llama_dir) for s in starts)  # `serve TARGET ...`
     assert json.loads(starts[-1][starts[-1].index("--speculative-config") + 1])["parallel_drafting"] is True
@@ -217,5 +293,7 @@ def test_cli_refuses_bad_lists_and_a_missing_head(tmp_path):
 
     with pytest.raises(SystemExit, match="--concurrency"):
         main(["bench-serve", "--concurrency", "1,0"])
+    with pytest.raises(SystemExit, match="--repeats"):
+        main(["bench-serve", "--repeats", "0"])
     with pytest.raises(SystemExit, match="no such head directory"):
         main(["bench-serve", "--target", str(tmp_path), "--head", str(tmp_path / "nope")])

@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--temperatures", default="0,0.7", help="comma list; 0 is greedy and checks losslessness"
     )
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each level on its engine; the report keeps the median run (a drifting host)",
+    )
+    parser.add_argument(
         "--vllm-python",
         help="the Python of the vLLM install (default: .venv-vllm/bin/python "
         "when it exists, else this interpreter)",
@@ -126,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     ks = _numbers("--k", args.k)
     conc = _numbers("--concurrency", args.concurrency)
     temps = _numbers("--temperatures", args.temperatures, float, 0)
+    (repeats,) = _numbers("--repeats", str(args.repeats))
     recipe = load_recipe_from_args(args)
     ev = recipe.eval
     target = resolve_target_path(args.target or recipe.target.name_or_path)
@@ -163,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         engine_args=list(args.engine_arg),
         startup_timeout_s=args.startup_timeout,
+        repeats=repeats,
     )
     out = Path(args.out) if args.out else recipe.paths.bench_serve
     if args.fresh:
