@@ -90,7 +90,7 @@ def predicted_tok_s(
         return b * e / step_time(hw, target, None, b, ctx, prefill=prefill)
     # steps of the whole level, each verifying its sequences' drafts: per sequence per step
     drafted = point["draft_tokens"] / steps if steps and point.get("draft_tokens") is not None else None
-    step = step_time(hw, target, head, b, ctx, k=point["k"], accepted=e, drafted=drafted, prefill=prefill)
+    step = step_time(hw, target, head, b, ctx, k=point["k"], drafted=drafted, prefill=prefill)
     return b * e / step
 
 

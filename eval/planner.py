@@ -307,18 +307,23 @@ def target_time(hw: Hardware, t: TargetSize, batch: float, tokens_per_seq: float
     )
 
 
-def draft_time(hw: Hardware, head: HeadSize, batch: int, k: int, accepted: float, context: int) -> float:
-    """EAGLE-3: a pass over the ~E newly accepted entries, then K-1 one-token passes.
-    P-EAGLE: one pass over the accepted entries plus K-1 mask slots. n-gram: no pass (its
-    lookup runs on the host while the target's step is prepared)."""
+def draft_time(
+    hw: Hardware, head: HeadSize, batch: float, k: int, context: int, drafted: float | None = None
+) -> float:
+    """The head's passes in one step. The first pass reads every token the target just
+    verified (1 + `drafted` per sequence, rejected ones included: vLLM pads the drafter's
+    batch rather than compacting it); EAGLE-3 then runs K-1 one-token passes, P-EAGLE
+    appends its K-1 mask slots to the first pass instead. n-gram: no pass (its lookup runs
+    on the host while the target's step is prepared)."""
     if head.algorithm == "ngram":
         return 0.0
     kv = batch * head.kv_per_token * context
     wbytes = head.params * 2
+    verified = 1 + (k if drafted is None else drafted)
     if get_algorithm(head.algorithm).draft_passes(k) == 1:  # parallel drafting
-        n = batch * (accepted + k - 1)
+        n = batch * (verified + k - 1)
         return pass_time(hw, head.num_layers, wbytes, 2 * head.params * n, kv)
-    first = pass_time(hw, head.num_layers, wbytes, 2 * head.params * batch * accepted, kv)
+    first = pass_time(hw, head.num_layers, wbytes, 2 * head.params * batch * verified, kv)
     return first + (k - 1) * pass_time(hw, head.num_layers, wbytes, 2 * head.params * batch, kv)
 
 
@@ -329,7 +334,6 @@ def step_time(
     batch: float,
     context: int,
     k: int = 0,
-    accepted: float = 1.0,
     drafted: float | None = None,
     prefill: float = 0.0,
 ) -> float:
@@ -339,7 +343,7 @@ def step_time(
     `prefill` prompt tokens per sequence that the step carries (the engine mixes prompt
     chunks into decode steps)."""
     tokens = 1 + (k if drafted is None else drafted) + prefill if head is not None else 1 + prefill
-    draft = draft_time(hw, head, batch, k, accepted, context) if head is not None else 0.0
+    draft = draft_time(hw, head, batch, k, context, drafted) if head is not None else 0.0
     return hw.step_overhead + draft + target_time(hw, target, batch, tokens, context)
 
 
@@ -401,7 +405,7 @@ def plan(
         row = {}
         for k in ks:
             e = expected_tokens_per_step(rates[:k])
-            row[k] = e * plain / step_time(hw, target, head, b, context, k=k, accepted=e)
+            row[k] = e * plain / step_time(hw, target, head, b, context, k=k)
         p.speedup[b] = row
         best = max(row, key=row.get)
         p.best_k[b] = best
