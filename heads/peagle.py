@@ -7,6 +7,8 @@ vector standing for the missing target features *before* `fc`.
 from __future__ import annotations
 
 import torch
+from typing import Literal
+
 from pydantic import Field, PositiveInt
 from torch import nn
 
@@ -111,6 +113,10 @@ class PEagleTraining(AlgorithmSection):
     cod_r: float = Field(0.8, gt=0, le=1)
     cod_r_min: float = Field(0.2, ge=0, le=1)
     segment_length: PositiveInt | None = None
+    # "element": the mean over every kept element, so depth 0 (every anchor) outweighs the
+    # sparsely kept deep ones; "depth": each depth's mean counts the same, so a warm-started
+    # head spends its training on the depths it cannot draft yet.
+    loss_weighting: Literal["element", "depth"] = "element"
 
 
 PEAGLE = register(

@@ -108,6 +108,42 @@ def test_segments_give_the_unsegmented_loss_and_gradients():
         )
 
 
+@pytest.mark.parametrize("seg", [None, 5])
+def test_loss_weighting_counts_each_element_or_each_depth_alike(seg):
+    """ "element": the loss is the mean over every labelled element, so depth 0 (all anchors)
+    dominates the sparsely kept depths; "depth": the mean of the per-depth means."""
+    torch.manual_seed(3)
+    head = PEagleHead(_cfg(num_hidden_layers=1)).double()
+    b, t = 2, 23
+    batch = {
+        "input_ids": torch.randint(0, V - 1, (b, t)),
+        "attention_mask": torch.ones(b, t, dtype=torch.long),
+        "aux": torch.randn(b, t, AUX, dtype=torch.double),
+    }
+    labels = _random_labels(batch["attention_mask"], V, torch.Generator().manual_seed(1))
+    losses = {}
+    for weighting in ("element", "depth"):
+        cfg = TrainSection(
+            peagle={
+                "num_depths": 4,
+                "cod_r": 0.5,
+                "cod_r_min": 0.1,
+                "segment_length": seg,
+                "loss_weighting": weighting,
+            }
+        )
+        stats = peagle_loss(head, batch, labels, cfg, torch.Generator().manual_seed(4))
+        losses[weighting] = float(stats.loss)
+        counts, per_depth = stats.counts, stats.step_losses
+        assert counts[0] > 2 * counts[1] > 0 and counts[3] > 0  # COD keeps fewer deeper
+    element = sum(c * x for c, x in zip(counts, per_depth)) / sum(counts)
+    assert losses["element"] == pytest.approx(element, rel=1e-9)
+    assert losses["depth"] == pytest.approx(sum(per_depth) / len(per_depth), rel=1e-9)
+    assert abs(losses["depth"] - losses["element"]) > 1e-3  # the choice matters on this batch
+    with pytest.raises(ValueError):
+        TrainSection(peagle={"loss_weighting": "token"}).section("peagle")
+
+
 class _Tok:
     def __init__(self, n, added, special=(), mask=None):
         self.n, self.added, self.all_special_ids, self.mask_token_id = n, added, list(special), mask

@@ -155,10 +155,10 @@ def segment_keeps(keep: torch.Tensor, t: int, num_depths: int, segment_length: i
 
 
 def _segment_loss(
-    head, elements: PEagleElements, bi, li, target_rows, input_ids, aux, total: int, compile_mode: str = "off"
+    head, elements: PEagleElements, bi, li, target_rows, input_ids, aux, weight, compile_mode: str = "off"
 ):
-    """The segment's share of the loss (sum of its per-element soft CE / total) plus, detached,
-    the per-element CE [N] and draft argmax [N] for elements (bi, li)."""
+    """The segment's share of the loss (its per-element soft CE weighted by `weight` [N])
+    plus, detached, the per-element CE [N] and draft argmax [N] for elements (bi, li)."""
     logits = peagle_forward(head, elements, input_ids, aux)
     if bi.numel() == 0:
         empty = logits.new_zeros(0)
@@ -166,7 +166,25 @@ def _segment_loss(
     rows = logits[bi, li]
     acc = torch.promote_types(rows.dtype, torch.float32)  # >= fp32 under bf16 autocast
     ce, top = soft_cross_entropy_rows(rows, torch.softmax(target_rows.to(acc), dim=-1), compile_mode)
-    return ce.sum() / total, ce.detach(), top
+    return (ce * weight.to(ce.dtype)).sum(), ce.detach(), top
+
+
+def element_weights(
+    elements: PEagleElements, labels: TargetLabels, depths: int, weighting: str
+) -> torch.Tensor:
+    """Loss weight of one element per depth [D]: 1 / (elements with a label) for "element";
+    1 / (depths with a labelled element · that depth's labelled elements) for "depth". Both
+    sum to 1 over the batch, so the loss's scale does not depend on the choice."""
+    valid = element_label_slots(elements, labels)[1]
+    counts = torch.bincount(elements.depth[valid], minlength=depths).double()
+    if weighting == "element":
+        return torch.full(
+            (depths,), 1.0 / max(float(counts.sum()), 1.0), dtype=torch.float64, device=valid.device
+        )
+    if weighting != "depth":
+        raise ValueError(f"train.peagle.loss_weighting {weighting!r}: expected 'element' or 'depth'")
+    present = int((counts > 0).sum())
+    return torch.where(counts > 0, 1.0 / (counts.clamp(min=1) * max(present, 1)), 0.0)
 
 
 def _segments_on_every_rank(head, n: int, device) -> int:
@@ -189,12 +207,13 @@ def _segments_on_every_rank(head, n: int, device) -> int:
 def peagle_loss(
     head: PEagleHead, batch: dict, labels: TargetLabels, train_cfg, generator: torch.Generator | None
 ) -> StepStats:
-    """COD-sampled P-EAGLE loss of a batch: the mean soft cross-entropy over every kept
-    element whose label slot is valid, with per-depth losses, hits and counts.
+    """COD-sampled P-EAGLE loss of a batch: the weighted mean soft cross-entropy over every
+    kept element whose label slot is valid (`element_weights`: each element alike, or each
+    depth alike), with per-depth losses, hits and counts.
 
     batch: input_ids / attention_mask [B, T], aux [B, T, n·Ht]; labels from
     `target_labels`; train_cfg.section("peagle"): num_depths, cod_r, cod_r_min,
-    segment_length (anchors per segment; None = one segment). The caller runs one backward
+    segment_length (anchors per segment; None = one segment), loss_weighting. The caller runs one backward
     on `stats.loss` as for any
     algorithm. With several segments each one's forward runs under activation
     checkpointing, so only one segment's activations are alive at a time (recomputed
@@ -205,7 +224,7 @@ def peagle_loss(
     cfg = train_cfg.section("peagle")
     depths = cfg.num_depths
     keep = cod_grid(am, depths, cfg.cod_r, cfg.cod_r_min, generator)
-    total = max(int(element_label_slots(compact(keep, t), labels)[1].sum()), 1)
+    depth_weight = element_weights(compact(keep, t), labels, depths, cfg.loss_weighting)
     segments = list(segment_keeps(keep, t, depths, cfg.segment_length))
     real_segments = len(segments)
     segments += segments[:1] * (_segments_on_every_rank(head, real_segments, aux.device) - real_segments)
@@ -227,7 +246,7 @@ def peagle_loss(
             labels.logits[bi, rows],
             input_ids,
             aux,
-            total,
+            depth_weight[elements.depth[bi, li]],
             train_cfg.compile_loss,
         )
         if len(segments) > 1:
