@@ -16,6 +16,8 @@
 # recipes/smollm2-135m-peagle.yaml) has that run made first when it is missing, by the
 # quickstart of EYAS_BASE_RECIPE (default recipes/smollm2-135m-eagle3.yaml); the budget
 # then counts from where that one ended.
+# The stages live in main(), called on the last line: bash reads a script as it runs, so an
+# edit to this file during a run would otherwise change what the running one executes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RECIPE=${EYAS_RECIPE:-recipes/smollm2-135m-eagle3.yaml}
@@ -26,6 +28,7 @@ TOOK=()
 stamp() { echo; echo "=== [$(( $(date +%s) - start ))s] $*"; }
 took() { local now; now=$(date +%s); TOOK+=("$1=$(( now - last ))"); last=$now; }
 
+main() {
 stamp "setting up the environment (.venv)"
 scripts/setup_env.sh
 EYAS=(.venv/bin/eyas)
@@ -76,3 +79,6 @@ stamp "done"
 if [ "$BUDGET" != off ]; then
   "${EYAS[@]}" budget --recipe "$RECIPE" --budget "$BUDGET" --report "$@" "${TOOK[@]}"
 fi
+}
+
+main "$@"
