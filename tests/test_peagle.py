@@ -76,15 +76,20 @@ def _random_labels(attention_mask, vd, gen):
     return TargetLabels(logits=logits, argmax=logits.argmax(-1), valid=valid)
 
 
-def test_segments_give_the_unsegmented_loss_and_gradients():
-    torch.manual_seed(2)
-    head = PEagleHead(_cfg(num_hidden_layers=2)).double()
-    b, t = 2, 17
+def _double_head_and_batch(seed: int, layers: int, b: int, t: int):
+    """A float64 head and a random batch of b rows of t slots (all real)."""
+    torch.manual_seed(seed)
+    head = PEagleHead(_cfg(num_hidden_layers=layers)).double()
     batch = {
         "input_ids": torch.randint(0, V - 1, (b, t)),
         "attention_mask": torch.ones(b, t, dtype=torch.long),
         "aux": torch.randn(b, t, AUX, dtype=torch.double),
     }
+    return head, batch
+
+
+def test_segments_give_the_unsegmented_loss_and_gradients():
+    head, batch = _double_head_and_batch(2, layers=2, b=2, t=17)
     batch["attention_mask"][0, 13:] = 0
     labels = _random_labels(batch["attention_mask"], V, torch.Generator().manual_seed(0))
     results = []
@@ -112,14 +117,7 @@ def test_segments_give_the_unsegmented_loss_and_gradients():
 def test_loss_weighting_counts_each_element_or_each_depth_alike(seg):
     """ "element": the loss is the mean over every labelled element, so depth 0 (all anchors)
     dominates the sparsely kept depths; "depth": the mean of the per-depth means."""
-    torch.manual_seed(3)
-    head = PEagleHead(_cfg(num_hidden_layers=1)).double()
-    b, t = 2, 23
-    batch = {
-        "input_ids": torch.randint(0, V - 1, (b, t)),
-        "attention_mask": torch.ones(b, t, dtype=torch.long),
-        "aux": torch.randn(b, t, AUX, dtype=torch.double),
-    }
+    head, batch = _double_head_and_batch(3, layers=1, b=2, t=23)
     labels = _random_labels(batch["attention_mask"], V, torch.Generator().manual_seed(1))
     losses = {}
     for weighting in ("element", "depth"):
