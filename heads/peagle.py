@@ -6,9 +6,9 @@ vector standing for the missing target features *before* `fc`.
 
 from __future__ import annotations
 
-import torch
 from typing import Literal
 
+import torch
 from pydantic import Field, PositiveInt
 from torch import nn
 
