@@ -23,11 +23,11 @@ import shlex
 import statistics
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyas.eval.bench_report import PLOT_NAME, build_report, format_report, plot_speedup, point_key  # noqa: F401
+from eyas.eval.engine_counters import counter_delta, read_counters
 from eyas.heads.serving_config import speculative_config
 from eyas.recipe import RunPaths
 
@@ -36,12 +36,6 @@ log = logging.getLogger(__name__)
 ENTRY = Path(__file__).with_name("vllm_entry.py")
 POINTS_NAME = RunPaths.BENCH_SERVE_POINTS
 REPORT_NAME = RunPaths.BENCH_SERVE_REPORT
-SPEC_COUNTERS = {
-    "vllm:spec_decode_num_drafts_total": "drafts",
-    "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens_total": "accepted",
-}
-PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 
 class BenchError(RuntimeError):
@@ -166,36 +160,6 @@ def engine_command(s: BenchSettings, spec: dict | None) -> str:
     # vLLM's CPU build takes 92% of a NUMA node for its KV cache unless told; GPU builds ignore it
     env = "" if "VLLM_CPU_KVCACHE_SPACE" in os.environ else "VLLM_CPU_KVCACHE_SPACE=4 "
     return env + shlex.join(argv + list(s.engine_args))
-
-
-def read_counters(base_url: str) -> dict:
-    """Speculative-decoding counters of the engine's Prometheus endpoint, summed over engines."""
-    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as resp:
-        text = resp.read().decode("utf-8", "replace")
-    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_position": {}}
-    for line in text.splitlines():
-        if not line.startswith("vllm:spec_decode"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
-        if name in SPEC_COUNTERS:
-            out[SPEC_COUNTERS[name]] += float(value)
-        elif name == PER_POSITION:
-            pos = int(name_labels.split('position="', 1)[1].split('"', 1)[0])
-            out["per_position"][pos] = out["per_position"].get(pos, 0.0) + float(value)
-    return out
-
-
-def counter_delta(before: dict, after: dict) -> dict:
-    positions = sorted(set(before["per_position"]) | set(after["per_position"]))
-    return {
-        "drafts": after["drafts"] - before["drafts"],
-        "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
-        "accepted": after["accepted"] - before["accepted"],
-        "per_position": [
-            after["per_position"].get(p, 0.0) - before["per_position"].get(p, 0.0) for p in positions
-        ],
-    }
 
 
 # --- the client -------------------------------------------------------------------------
