@@ -181,8 +181,6 @@ def element_weights(
         return torch.full(
             (depths,), 1.0 / max(float(counts.sum()), 1.0), dtype=torch.float64, device=valid.device
         )
-    if weighting != "depth":
-        raise ValueError(f"train.peagle.loss_weighting {weighting!r}: expected 'element' or 'depth'")
     present = int((counts > 0).sum())
     return torch.where(counts > 0, 1.0 / (counts.clamp(min=1) * max(present, 1)), 0.0)
 
@@ -213,11 +211,11 @@ def peagle_loss(
 
     batch: input_ids / attention_mask [B, T], aux [B, T, n·Ht]; labels from
     `target_labels`; train_cfg.section("peagle"): num_depths, cod_r, cod_r_min,
-    segment_length (anchors per segment; None = one segment), loss_weighting. The caller runs one backward
-    on `stats.loss` as for any
-    algorithm. With several segments each one's forward runs under activation
-    checkpointing, so only one segment's activations are alive at a time (recomputed
-    during that backward); the loss and gradients equal the unsegmented ones.
+    segment_length (anchors per segment; None = one segment), loss_weighting. The caller
+    runs one backward on `stats.loss` as for any algorithm. With several segments each
+    one's forward runs under activation checkpointing, so only one segment's activations
+    are alive at a time (recomputed during that backward); the loss and gradients equal
+    the unsegmented ones.
     """
     input_ids, am, aux = batch["input_ids"], batch["attention_mask"], batch["aux"]
     t = input_ids.shape[1]

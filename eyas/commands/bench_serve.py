@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     ks = _numbers("--k", args.k)
     conc = _numbers("--concurrency", args.concurrency)
     temps = _numbers("--temperatures", args.temperatures, float, 0)
-    (repeats,) = _numbers("--repeats", str(args.repeats))
+    if args.repeats < 1:
+        raise SystemExit(f"eyas bench-serve: --repeats must be at least 1, got {args.repeats}")
     recipe = load_recipe_from_args(args)
     ev = recipe.eval
     target = resolve_target_path(args.target or recipe.target.name_or_path)
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         engine_args=list(args.engine_arg),
         startup_timeout_s=args.startup_timeout,
-        repeats=repeats,
+        repeats=args.repeats,
     )
     out = Path(args.out) if args.out else recipe.paths.bench_serve
     if args.fresh:
