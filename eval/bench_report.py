@@ -162,8 +162,32 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def repeat_spread(report: dict, drafter: str, k: str, temperature: str, concurrency: str):
+    """(slowest, fastest) of a level's repeats as a speedup over plain's median run at the
+    same concurrency and temperature; None without repeats of both."""
+
+    def level(name, kk):
+        return next(
+            (
+                p
+                for p in report["points"]
+                if p["drafter"] == name
+                and (p["k"] is None if kk is None else str(p["k"]) == kk)
+                and f"{p['temperature']:g}" == temperature
+                and str(p["concurrency"]) == concurrency
+            ),
+            None,
+        )
+
+    p, plain = level(drafter, k), level("plain", None)
+    if not (p and plain and len(p.get("repeat_tok_s") or []) > 1 and plain["output_tok_s"] > 0):
+        return None
+    return min(p["repeat_tok_s"]) / plain["output_tok_s"], max(p["repeat_tok_s"]) / plain["output_tok_s"]
+
+
 def plot_speedup(report: dict, path: Path) -> None:
-    """Speedup against concurrency, one panel per temperature, one line per drafter and K."""
+    """Speedup against concurrency, one panel per temperature, one line per drafter and K;
+    with repeats, bars from the level's slowest to its fastest run (over plain's median)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -177,9 +201,19 @@ def plot_speedup(report: dict, path: Path) -> None:
         for i, (name, by_k) in enumerate(table.items()):
             for j, (k, by_c) in enumerate(by_k.items()):
                 cs = sorted(by_c, key=int)
-                ax.plot(
+                ys = [by_c[c] for c in cs]
+                spread = [repeat_spread(report, name, k, t, c) for c in cs]
+                yerr = None
+                if any(spread):
+                    yerr = [
+                        [y - s[0] if s else 0.0 for y, s in zip(ys, spread)],
+                        [s[1] - y if s else 0.0 for y, s in zip(ys, spread)],
+                    ]
+                ax.errorbar(
                     [int(c) for c in cs],
-                    [by_c[c] for c in cs],
+                    ys,
+                    yerr=yerr,
+                    capsize=2 if yerr else 0,
                     marker="o",
                     color=f"C{i}",
                     ls=styles[j % len(styles)],

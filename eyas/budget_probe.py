@@ -97,7 +97,7 @@ def measure(recipe, progress: bool = True) -> Rates:
         target.model(input_ids=x, output_hidden_states=True, use_cache=False)
     capture_s_per_token = (time.perf_counter() - start) / (rows * seq)
     step = build_head_step(recipe, target.config, t.name_or_path, device, rows=recipe.train.batch_tokens)
-    times = time_head_steps(step, target.config, len(typical), seq, device, steps=3, warmup=2)
+    times = time_head_steps(step, target.config, [lengths[i] for i in typical], device, steps=3, warmup=2)
     step_s, later_step_s = sorted(times.first_epoch)[1], sorted(times.later_epoch)[1]
     train_warmup_s = max(0.0, sum(times.warmup) - len(times.warmup) * step_s)
     del step
@@ -137,12 +137,11 @@ def _measure_training_only(recipe) -> Rates:
     lengths = [len(x) for x in train["input_ids"]]
     packed = pack_group(range(len(lengths)), lengths, recipe.train.batch_tokens, recipe.train.max_batch_size)
     typical = sorted(packed, key=len)[len(packed) // 2]
-    seq = max(lengths[i] for i in typical)
     device = target.model.get_output_embeddings().weight.device
     step = build_head_step(
         recipe, target.config, recipe.target.name_or_path, device, rows=recipe.train.batch_tokens
     )
-    times = time_head_steps(step, target.config, len(typical), seq, device, steps=3, warmup=2)
+    times = time_head_steps(step, target.config, [lengths[i] for i in typical], device, steps=3, warmup=2)
     step_s, later_step_s = sorted(times.first_epoch)[1], sorted(times.later_epoch)[1]
     del step
     prompt = [{"role": "user", "content": "Write a short note about the sea."}]

@@ -153,6 +153,14 @@ def test_repeated_levels_report_the_median_run_and_resume(fake_engine, tmp_path)
     assert report["speedup"]["ngram"]["3"]["1"] == pytest.approx(
         ngram1["output_tok_s"] / plain1["output_tok_s"]
     )
+    # the plot's bars: the slowest and fastest run over plain's median run
+    from eyas.eval.bench_report import repeat_spread
+
+    lo, hi = repeat_spread(report, "ngram", "3", "0", "1")
+    assert lo == pytest.approx(min(ngram1["repeat_tok_s"]) / plain1["output_tok_s"])
+    assert hi == pytest.approx(max(ngram1["repeat_tok_s"]) / plain1["output_tok_s"])
+    assert lo <= report["speedup"]["ngram"]["3"]["1"] <= hi
+    assert (out / "bench_serve.png").is_file()
 
     # killed during ngram's last repeat: only that level runs again, on one engine
     (out / B.POINTS_NAME).write_text("".join(json.dumps(p) + "\n" for p in lines[:-1]))

@@ -252,3 +252,18 @@ def test_a_run_on_another_runs_data_sizes_only_its_epochs():
     c = choose(r, recipe, left)
     assert c.max_samples == 5184 and 1.0 <= c.epochs < 2.0 and c.epochs * 4 == int(c.epochs * 4)
     assert sum(c.estimates.values()) <= left
+
+
+def test_the_probe_batch_takes_a_real_batchs_lengths():
+    import torch
+
+    from eyas.train.step_timing import synthetic_batch
+
+    gen = torch.Generator().manual_seed(0)
+    batch = synthetic_batch(3, 9, 50, 12, 4, "cpu", gen, lengths=[9, 4, 7])
+    assert batch["attention_mask"].sum(1).tolist() == [9, 4, 7]
+    assert batch["input_ids"].shape == (3, 9) and batch["aux"].shape == (3, 9, 12)
+    # the loss mask stays inside each real stretch
+    assert bool((batch["loss_mask"] <= batch["attention_mask"]).all()) and int(batch["loss_mask"].sum()) > 0
+    with pytest.raises(ValueError, match="do not describe"):
+        synthetic_batch(3, 9, 50, 12, 4, "cpu", gen, lengths=[8, 4, 7])

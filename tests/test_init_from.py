@@ -125,6 +125,46 @@ def test_peagle_head_starts_from_an_eagle3_head(tiny_llama_dir, exported_head):
     assert head.embed_tokens.weight.requires_grad  # P-EAGLE trains its embedding (and ships it)
 
 
+def test_a_head_grown_by_a_layer_drafts_as_its_source_until_trained(tiny_llama_dir, exported_head):
+    from eyas.recipe import recipe_from_dict
+    from eyas.train.build import InitFromError, head_from_checkpoint, init_from_config
+
+    target = _target(tiny_llama_dir)
+    source = _source(exported_head, target)
+    layers = source.config.num_hidden_layers
+    recipe = recipe_from_dict(
+        {
+            "head": {"algorithm": "peagle", "mask_token_id": 5, "num_layers": layers + 1},
+            "train": {"init_from": "x"},
+        }
+    )
+    cfg = init_from_config(recipe, source.config, target.config, "HEAD", tokenizer=target.tokenizer)
+    assert cfg.num_hidden_layers == layers + 1
+    head, fresh = head_from_checkpoint(cfg, source, target.model)
+    assert fresh == ["mask_hidden", f"layers.{layers}"]
+    # the appended layer adds nothing yet: every real slot's logits are the source's
+    torch.manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (2, 7))
+    aux = torch.randn(2, 7, source.config.fc_in_features)
+    pos = torch.arange(7).expand(2, -1)
+    mine, _ = head.forward_step(ids, head.combine_aux(aux), pos, head.new_cache())
+    theirs, _ = source.forward_step(ids, source.combine_aux(aux), pos, source.new_cache())
+    torch.testing.assert_close(mine, theirs)
+    # ... and training moves it: its other weights are not zero, so gradients reach them
+    added = head.layers[layers]
+    assert added.self_attn.q_proj.weight.abs().sum() > 0 and added.mlp.up_proj.weight.abs().sum() > 0
+    mine.sum().backward()
+    assert (
+        added.self_attn.o_proj.weight.grad.abs().sum() > 0 and added.mlp.down_proj.weight.grad.abs().sum() > 0
+    )
+
+    # fewer layers than the head has would drop trained ones
+    deeper = source.config.model_copy(update={"num_hidden_layers": 3})
+    fewer = recipe_from_dict({"head": {"num_layers": 2}, "train": {"init_from": "x"}})
+    with pytest.raises(InitFromError, match="head.num_layers = 2, but HEAD has num_hidden_layers = 3"):
+        init_from_config(fewer, deeper, target.config, "HEAD")
+
+
 def test_eval_compare_reports_both_heads_on_the_same_prompts(tmp_path, tiny_llama_dir, exported_head, capsys):
     import json
 

@@ -178,10 +178,15 @@ def init_from_config(
     algorithm and K. A recipe head field set explicitly to another value is an error that
     names both; so are aux layers the data is captured at but the head does not read."""
     h = recipe.head
+    # More layers than the source's is a growth (`head_from_checkpoint` appends layers that
+    # start as the identity); fewer would discard trained layers.
+    grows = "num_layers" in h.model_fields_set and h.num_layers > imported.num_hidden_layers
     conflicts = [
         f"head.{key} = {getattr(h, key)!r}, but {source} has {field} = {getattr(imported, field)!r}"
         for key, field in HEAD_SHAPE_FIELDS.items()
-        if key in h.model_fields_set and getattr(h, key) != getattr(imported, field)
+        if key in h.model_fields_set
+        and getattr(h, key) != getattr(imported, field)
+        and not (key == "num_layers" and grows)
     ]
     ids = recipe.data.aux_layer_ids
     if ids and list(ids) != list(imported.aux_layer_ids):
@@ -219,6 +224,7 @@ def init_from_config(
     return imported.model_copy(
         update=dict(
             algorithm=h.algorithm,
+            num_hidden_layers=h.num_layers if grows else imported.num_hidden_layers,
             mask_token_id=mask_id,
             speculative_tokens=h.speculative_tokens,
             target_num_layers=text.num_hidden_layers,
@@ -237,7 +243,10 @@ def head_from_checkpoint(
 ) -> tuple[Eagle3Head, list[str]]:
     """A float32 head of `config` holding `source`'s weights and draft vocabulary. What
     `source` lacks (a P-EAGLE head's mask parameters, started from an EAGLE-3 head) is
-    initialised as for a fresh head; returns the head and the names started fresh."""
+    initialised as for a fresh head, except layers appended past the source's: their
+    attention and MLP output projections start at zero, so each adds nothing to the
+    residual stream and the grown head drafts exactly as the source did until training
+    moves them. Returns the head and the names started fresh."""
     norm, lm_head = target_norm_and_lm_head(target_model)
     embed = target_model.get_input_embeddings().weight
     head = build_head(config).float()
@@ -260,8 +269,13 @@ def head_from_checkpoint(
             t.copy_(theirs[name].to(t.dtype))
         else:
             fresh.append(name)
+    appended = [f"layers.{i}" for i in range(source.config.num_hidden_layers, config.num_hidden_layers)]
+    fresh = [n for n in fresh if not n.startswith(tuple(a + "." for a in appended))] + appended
     if config.algorithm == "peagle" and source.config.algorithm != "peagle" and own_embedding:
         head.embed_tokens.weight[config.mask_token_id] = head.embed_tokens.weight.mean(0)
+    for layer in head.layers[source.config.num_hidden_layers :]:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
     return head, fresh
 
 
@@ -316,11 +330,10 @@ def initial_head(
         "train.init_from %s: the %s head (%d layer(s), draft vocabulary %d) %s%s",
         source_name,
         source.config.algorithm,
-        cfg.num_hidden_layers,
+        source.config.num_hidden_layers,
         cfg.draft_vocab_size,
-        f"continued as {cfg.algorithm}"
-        if cfg.algorithm == source.config.algorithm
-        else f"starting a {cfg.algorithm} head ({', '.join(fresh)} fresh)",
+        f"continued as a {cfg.num_hidden_layers}-layer {cfg.algorithm} head"
+        + (f" ({', '.join(fresh)} fresh)" if fresh else ""),
         ""
         if coverage is None
         else f"; its draft vocabulary holds {coverage:.1%} of this data's trained tokens",

@@ -17,11 +17,21 @@ import torch
 OUTSIDE_DRAFT_SCALE = 0.8
 
 
-def synthetic_batch(b: int, t: int, vocab: int, aux_width: int, hidden: int, device, gen) -> dict:
+def synthetic_batch(
+    b: int, t: int, vocab: int, aux_width: int, hidden: int, device, gen, lengths: list[int] | None = None
+) -> dict:
     """Right-padded [B, T] sequences, the last 60% of each real stretch in the loss mask;
-    aux [B, T, n·Ht] and last [B, T, Ht] in bf16 at a residual stream's scale."""
-    lengths = torch.randint(t // 2, t + 1, (b,), generator=gen)
-    lengths[0] = t
+    aux [B, T, n·Ht] and last [B, T, Ht] in bf16 at a residual stream's scale. The real
+    stretches have `lengths` (B of them, the longest T) when given, else random lengths in
+    [T/2, T]: a loss whose work follows the real tokens (P-EAGLE's COD elements) is timed
+    at a real batch's tokens only with the former."""
+    if lengths is None:
+        lengths = torch.randint(t // 2, t + 1, (b,), generator=gen)
+        lengths[0] = t
+    else:
+        if len(lengths) != b or max(lengths) != t:
+            raise ValueError(f"lengths {lengths} do not describe a [{b}, {t}] batch")
+        lengths = torch.tensor(lengths)
     slots = torch.arange(t)[None]
     am = (slots < lengths[:, None]).long()
     loss = am * (slots >= (lengths[:, None] * 2) // 5).long()
@@ -128,15 +138,22 @@ class StepTimes:
 
 
 def time_head_steps(
-    step: HeadStep, target_config, batch_size: int, seq: int, device, steps: int = 3, warmup: int = 2
+    step: HeadStep, target_config, lengths: list[int], device, steps: int = 3, warmup: int = 2
 ) -> StepTimes:
     """Times `warmup` untimed steps, then `steps` first-epoch and `steps` later-epoch steps,
-    on [batch_size, seq] synthetic batches."""
+    on synthetic batches of sequences of `lengths` (a real batch's)."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(1)
     batches = [
         synthetic_batch(
-            batch_size, seq, target_config.vocab_size, step.aux_width, target_config.hidden_size, device, gen
+            len(lengths),
+            max(lengths),
+            target_config.vocab_size,
+            step.aux_width,
+            target_config.hidden_size,
+            device,
+            gen,
+            lengths=lengths,
         )
         for _ in range(2)
     ]
