@@ -102,11 +102,15 @@ class Eagle3Head(nn.Module):
             aux = self.input_norm(aux)
         return self.fc(aux)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [B, T, H] of `input_ids` [B, T]."""
+        return self.embed_tokens(input_ids)
+
     def forward_layers(self, input_ids, hidden, positions, cache: HeadCache, mask=None) -> torch.Tensor:
         """The decoder layers of one head step over T slots, up to the final norm: the
         pre-norm state `[B, T, H]`; keys are appended to `cache`. The one layer loop both
         `forward_step` (drafting, serving) and the training loss run, so they cannot drift."""
-        embeds = self.embed_tokens(input_ids)
+        embeds = self.embed(input_ids)
         h = hidden
         for layer, layer_cache in zip(self.layers, cache.layers):
             h = layer(h, positions, layer_cache, mask, embeds=embeds if layer.first else None)

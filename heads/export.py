@@ -29,6 +29,7 @@ from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.io import CONFIG_NAME as EYAS_CONFIG
 from eyas.heads.io import WEIGHTS_NAME as EYAS_WEIGHTS
 from eyas.heads.io import head_state_dict
+from eyas.heads.peagle import with_mask_row
 from eyas.heads.serving_config import (
     build_eagle,
     build_layer,
@@ -111,6 +112,8 @@ def write_export(
     `state` holds `embed_tokens.weight` only when the embedding ships (see DESIGN §5)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.mask_token_id is not None:
+        state = with_mask_row(state, cfg.mask_token_id)
     ships_embedding = "embed_tokens.weight" in state
     if cfg.trains_embedding or cfg.hidden_size != cfg.target_hidden_size:
         if not ships_embedding:

@@ -1,7 +1,7 @@
 """The P-EAGLE head (DESIGN §4): an EAGLE-3 head whose K draft slots come from one
 forward pass. Slot 0 is the last verified position (real token, real features); slots
-1..K-1 carry the mask token (its embedding row is trained) and `mask_hidden`, one learned
-vector standing for the missing target features *before* `fc`.
+1..K-1 carry the mask token (its embedding, `mask_embedding`, is learned) and
+`mask_hidden`, one learned vector standing for the missing target features *before* `fc`.
 """
 
 from __future__ import annotations
@@ -26,14 +26,32 @@ class PEagleHead(Eagle3Head):
         super().__init__(config)
         self.mask_hidden = nn.Parameter(torch.zeros(1, config.fc_in_features))
         nn.init.normal_(self.mask_hidden, std=0.02)
+        # The mask token's row is the one embedding row P-EAGLE must learn. It is a parameter
+        # of its own so that the table stays frozen (the target's, as for EAGLE-3) and the
+        # optimizer does not carry it (the table is most of a head's weights); the head still
+        # ships the table, with this row written in (`with_mask_row`), since that is what
+        # vLLM reads. A head narrower or wider than the target trains its whole table.
+        self.mask_embedding = nn.Parameter(self.embed_tokens.weight[config.mask_token_id].detach().clone())
+        self.embed_tokens.weight.requires_grad_(config.hidden_size != config.target_hidden_size)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embeds = self.embed_tokens(input_ids)
+        is_mask = (input_ids == self.config.mask_token_id)[..., None]
+        return torch.where(is_mask, self.mask_embedding.to(embeds.dtype), embeds)
 
     @torch.no_grad()
     def init_from_target(self, embed, lm_head, final_norm=None) -> None:
         super().init_from_target(embed, lm_head, final_norm)
         # Start the mask row at the mean embedding: a neutral token the layers can read.
-        self.embed_tokens.weight[self.config.mask_token_id] = (
-            embed.float().mean(0).to(self.embed_tokens.weight)
-        )
+        self.mask_embedding.copy_(embed.float().mean(0).to(self.mask_embedding))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A state in the serving layout (an export, a checkpoint from before mask_embedding
+        # existed) holds the mask row only inside the table.
+        table, own = prefix + "embed_tokens.weight", prefix + "mask_embedding"
+        if own not in state_dict and table in state_dict:
+            state_dict[own] = state_dict[table][self.config.mask_token_id]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def mask_slot_inputs(self, batch: int, depth: int, device):
         """Token ids `[batch, depth]` (the mask id) and fc inputs `[batch, depth, n·Ht]`."""
@@ -57,6 +75,21 @@ class PEagleHead(Eagle3Head):
         cache.crop(base)
         flat = sample_tokens(logits.reshape(b * k, -1), temperature, generator=generator).view(b, k)
         return self.to_target_ids(flat), logits
+
+
+def with_mask_row(state: dict[str, torch.Tensor], mask_token_id: int) -> dict[str, torch.Tensor]:
+    """A P-EAGLE state dict in the serving layout: `mask_embedding` written into row
+    `mask_token_id` of a copy of `embed_tokens.weight` and dropped. Other states pass as
+    they are."""
+    if "mask_embedding" not in state:
+        return state
+    state = dict(state)
+    row = state.pop("mask_embedding")
+    if "embed_tokens.weight" in state:
+        table = state["embed_tokens.weight"].clone()
+        table[mask_token_id] = row.to(table.dtype)
+        state["embed_tokens.weight"] = table
+    return state
 
 
 def choose_mask_token_id(

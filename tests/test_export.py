@@ -7,7 +7,6 @@ import torch
 from safetensors.torch import load_file
 from test_export_helpers import random_head, step_logits
 
-from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.export import export_checkpoint, export_head, serve_command
 from eyas.heads.io import save_head
 from eyas.heads.load_export import detect_format, load_any_head, load_exported_head
@@ -135,16 +134,29 @@ def test_eagle_layout_names_a_single_layer_midlayer(tmp_path):
     assert detect_format(out) == "eagle"
 
 
-def test_export_checkpoint_and_load_any_head(tmp_path):
-    head = random_head(draft_vocab_size=100)
+@pytest.mark.parametrize("variant", ["eagle3", "peagle"])
+def test_export_checkpoint_and_load_any_head(tmp_path, variant):
+    head = random_head(**({"draft_vocab_size": 100} if variant == "eagle3" else VARIANTS["peagle"]))
+    if variant == "peagle":
+        with torch.no_grad():
+            head.mask_embedding.add_(1.0)  # learned away from the table's row, as training does
     ckpt = save_head(head, tmp_path / "ckpt")
     out = export_checkpoint(ckpt, tmp_path / "export", dtype=torch.float32)
     assert validate_export(out) == []
     assert detect_format(ckpt) == "eyas" and detect_format(out) == "speculators"
     for d in (ckpt, out):
         loaded = load_any_head(d, target_embed=_embed(head))
-        assert isinstance(loaded, Eagle3Head)
+        assert type(loaded) is type(head)
         assert torch.equal(step_logits(loaded), step_logits(head))
+    if variant == "peagle":
+        # the learned mask row ships inside the table, the one tensor vLLM reads for it
+        served = load_file(str(out / "model.safetensors"))
+        assert "mask_embedding" not in served
+        mask = head.config.mask_token_id
+        assert torch.equal(served["embed_tokens.weight"][mask], head.mask_embedding.detach())
+        assert not torch.equal(head.embed_tokens.weight[mask], head.mask_embedding)  # not the stale row
+        ids = torch.tensor([[5, mask]])
+        torch.testing.assert_close(loaded.embed(ids), head.embed(ids), rtol=0, atol=0)
 
 
 def test_frozen_embedding_head_needs_target_embed(tmp_path):

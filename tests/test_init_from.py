@@ -114,15 +114,17 @@ def test_peagle_head_starts_from_an_eagle3_head(tiny_llama_dir, exported_head):
     cfg = init_from_config(recipe, source.config, target.config, "HEAD", tokenizer=target.tokenizer)
     head, fresh = head_from_checkpoint(cfg, source, target.model)
     assert isinstance(head, PEagleHead) and cfg.mask_token_id == 5
-    assert fresh == ["mask_hidden"]
+    assert fresh == ["mask_hidden", "mask_embedding"]
     theirs = source.state_dict()
     for name, t in head.state_dict().items():
-        if name not in ("mask_hidden", "embed_tokens.weight"):
+        if name not in fresh + ["embed_tokens.weight"]:
             assert torch.equal(t, theirs[name]), name
     embed = target.model.get_input_embeddings().weight.detach()
-    assert torch.equal(head.embed_tokens.weight[:5], embed[:5])  # the target's rows
-    assert torch.allclose(head.embed_tokens.weight[5], embed.mean(0))  # the mask row starts neutral
-    assert head.embed_tokens.weight.requires_grad  # P-EAGLE trains its embedding (and ships it)
+    assert torch.equal(head.embed_tokens.weight, embed)  # the target's table ...
+    assert not head.embed_tokens.weight.requires_grad  # ... frozen, as for EAGLE-3
+    assert torch.allclose(head.mask_embedding, embed.mean(0))  # the mask row starts neutral
+    assert head.mask_embedding.requires_grad
+    torch.testing.assert_close(head.embed(torch.tensor([[4, 5]]))[0], torch.stack([embed[4], embed.mean(0)]))
 
 
 def test_a_head_grown_by_a_layer_drafts_as_its_source_until_trained(tiny_llama_dir, exported_head):
@@ -141,7 +143,7 @@ def test_a_head_grown_by_a_layer_drafts_as_its_source_until_trained(tiny_llama_d
     cfg = init_from_config(recipe, source.config, target.config, "HEAD", tokenizer=target.tokenizer)
     assert cfg.num_hidden_layers == layers + 1
     head, fresh = head_from_checkpoint(cfg, source, target.model)
-    assert fresh == ["mask_hidden", f"layers.{layers}"]
+    assert fresh == ["mask_hidden", "mask_embedding", f"layers.{layers}"]
     # the appended layer adds nothing yet: every real slot's logits are the source's
     torch.manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (2, 7))

@@ -104,13 +104,35 @@ def test_segments_give_the_unsegmented_loss_and_gradients():
     torch.testing.assert_close(full.loss.detach(), seg.loss.detach(), rtol=1e-9, atol=1e-12)
     assert full.counts == seg.counts and full.hits == seg.hits and len(full.counts) == 4
     assert full.counts[0] == int(labels.valid[:, 1:].sum())  # depth 0 at anchor p learns slot p + 1
-    assert g_full.keys() == g_seg.keys() and "mask_hidden" in g_full and "embed_tokens.weight" in g_full
+    assert g_full.keys() == g_seg.keys() and {"mask_hidden", "mask_embedding"} <= g_full.keys()
+    assert "embed_tokens.weight" in g_full  # this head is wider than its target: its whole table trains
     for name in g_full:
         # RMSNorm computes in float32 even in a float64 head; a prefix element's gradient
         # arrives in pieces (one per segment), each rounded there: float32-level agreement
         torch.testing.assert_close(
             g_full[name], g_seg[name], rtol=1e-6, atol=1e-8, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+def test_a_head_as_wide_as_its_target_learns_only_the_mask_row():
+    torch.manual_seed(0)
+    head = PEagleHead(_cfg(hidden_size=24, intermediate_size=48)).double()
+    table = head.embed_tokens.weight.detach().clone()
+    b, t = 2, 9
+    batch = {
+        "input_ids": torch.randint(0, V - 1, (b, t)),
+        "attention_mask": torch.ones(b, t, dtype=torch.long),
+        "aux": torch.randn(b, t, AUX, dtype=torch.double),
+    }
+    labels = _random_labels(batch["attention_mask"], V, torch.Generator().manual_seed(0))
+    cfg = TrainSection(peagle={"num_depths": 3, "cod_r": 0.8, "cod_r_min": 0.2})
+    stats = peagle_loss(head, batch, labels, cfg, torch.Generator().manual_seed(1))
+    stats.loss.backward()
+    trainable = {n for n, p in head.named_parameters() if p.requires_grad}
+    assert "embed_tokens.weight" not in trainable and "mask_embedding" in trainable
+    assert head.embed_tokens.weight.grad is None and head.mask_embedding.grad.abs().sum() > 0
+    torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=0.1).step()
+    assert torch.equal(head.embed_tokens.weight, table)  # the table is the target's, untouched
 
 
 @pytest.mark.parametrize("seg", [None, 5])

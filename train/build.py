@@ -272,7 +272,7 @@ def head_from_checkpoint(
     appended = [f"layers.{i}" for i in range(source.config.num_hidden_layers, config.num_hidden_layers)]
     fresh = [n for n in fresh if not n.startswith(tuple(a + "." for a in appended))] + appended
     if config.algorithm == "peagle" and source.config.algorithm != "peagle" and own_embedding:
-        head.embed_tokens.weight[config.mask_token_id] = head.embed_tokens.weight.mean(0)
+        head.mask_embedding.copy_(head.embed_tokens.weight.mean(0))
     for layer in head.layers[source.config.num_hidden_layers :]:
         layer.self_attn.o_proj.weight.zero_()
         layer.mlp.down_proj.weight.zero_()
