@@ -94,7 +94,8 @@ class DraftHeadConfig(BaseModel):
 
     @property
     def trains_embedding(self) -> bool:
-        """P-EAGLE learns the mask-token row, so its embedding trains (and is exported)."""
+        """P-EAGLE learns the mask-token row (`mask_embedding`), so its table is its own:
+        stored in checkpoints and exported with that row written in."""
         return self.algorithm_spec.trains_embedding
 
     @property

@@ -48,7 +48,9 @@ class Eagle3Head(nn.Module):
 
     @property
     def trains_embedding(self) -> bool:
-        # A head narrower/wider than the target cannot share the target's embedding.
+        # Whether the table is the head's own (stored, exported) rather than the target's. A
+        # head narrower/wider than the target cannot share the target's embedding; a P-EAGLE
+        # head owns its table for the mask row, which alone it learns (heads/peagle.py).
         return self.config.trains_embedding or self.config.hidden_size != self.config.target_hidden_size
 
     def reset_parameters(self, std: float = 0.02) -> None:
