@@ -71,7 +71,7 @@ KNOWN_FAILURES = {
     "eyas.heads.export": ("ExportFormatError",),
     "eyas.heads.hub": ("PushError",),
     "eyas.train.loop": ("TrainingStopped",),
-    "eyas.train.checkpoint": ("UnsafeCheckpointError",),
+    "eyas.train.checkpoint": ("UnsafeCheckpointError", "CheckpointMismatchError"),
     "eyas.train.run_settings": ("RerunRefused",),
 }
 

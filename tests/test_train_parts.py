@@ -211,3 +211,41 @@ def test_deepspeed_checkpoint_types_are_importable():
     from eyas.train.checkpoint import DEEPSPEED_CHECKPOINT_TYPES, _allowed_engine_types
 
     assert len(_allowed_engine_types()) == len(DEEPSPEED_CHECKPOINT_TYPES)
+
+
+def test_an_optimizer_state_for_other_parameters_is_named_on_resume(tmp_path):
+    import types
+
+    from safetensors.torch import save_file
+
+    from eyas.train.checkpoint import CheckpointMismatchError, TrainerState, load_checkpoint
+
+    class Holder(torch.nn.Module):
+        def __init__(self, trainable: int):
+            super().__init__()
+            self.head = torch.nn.ModuleDict({f"p{i}": torch.nn.Linear(2, 2, bias=False) for i in range(2)})
+            for i, layer in enumerate(self.head.values()):
+                layer.weight.requires_grad_(i < trainable)
+
+    def adam(model):
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+
+    ckpt = tmp_path / "step-00000002"
+    ckpt.mkdir()
+    (ckpt / "state.json").write_text(TrainerState(step=2).to_json())
+    before = Holder(trainable=2)  # the run that wrote it trained both tensors
+    save_file(
+        {k: v.contiguous() for k, v in before.head.state_dict().items()}, str(ckpt / "model.safetensors")
+    )
+    opt = adam(before)
+    sum(p.sum() for p in before.parameters()).backward()
+    opt.step()
+    torch.save(opt.state_dict(), ckpt / "optimizer.pt")
+    accelerator = types.SimpleNamespace(
+        distributed_type=types.SimpleNamespace(name="NO"), unwrap_model=lambda m: m, process_index=0
+    )
+    now = Holder(trainable=1)
+    with pytest.raises(CheckpointMismatchError, match=r"optimizer\.pt: its optimizer state .*--restart"):
+        load_checkpoint(ckpt, accelerator, now, adam(now))
+    same = Holder(trainable=2)
+    assert load_checkpoint(ckpt, accelerator, same, adam(same)).step == 2

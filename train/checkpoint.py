@@ -113,6 +113,10 @@ class UnsafeCheckpointError(RuntimeError):
     """An engine checkpoint file holds a type eyas does not unpickle."""
 
 
+class CheckpointMismatchError(ValueError):
+    """A checkpoint written for other trainable parameters than this run's head has."""
+
+
 # Types DeepSpeed writes into its ZeRO checkpoint files besides tensors and builtins: data
 # holders (an enum, a named tuple, the loss scalers' counters) that load with
 # weights_only=True once allowed by name.
@@ -326,10 +330,19 @@ def load_checkpoint(
         missing = [k for k in missing if not (k == "embed_tokens.weight" and not head.trains_embedding)]
         if missing or unexpected:
             raise ValueError(f"{path / 'model.safetensors'}: missing {missing}, unexpected {unexpected}")
-        optimizer.load_state_dict(
-            # on the CPU ("cpu:0", a gloo rank's device, is no map_location); load_state_dict moves it
-            torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-        )
+        # on the CPU ("cpu:0", a gloo rank's device, is no map_location); load_state_dict moves it
+        saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+        try:
+            optimizer.load_state_dict(saved)
+        except ValueError as err:
+            # e.g. a P-EAGLE run from before the head learned only its mask row (its optimizer
+            # held the whole embedding table)
+            raise CheckpointMismatchError(
+                f"{path / 'optimizer.pt'}: its optimizer state does not fit this head's trainable "
+                f"parameters ({err}); it was written for another set of them (another eyas version "
+                "or head). Rerun with --restart, or export the checkpoint and start a run from it "
+                "with train.init_from"
+            ) from err
     rng_file = path / f"rng-rank{accelerator.process_index}.safetensors"
     if rng_file.is_file():
         restore_rng(load_file(str(rng_file)), generator)
