@@ -61,6 +61,13 @@ def test_cod_grid_and_compact_layout():
         assert bool((key[1:] > key[:-1]).all())
     with pytest.raises(ValueError, match="row 0"):
         cod_grid(torch.tensor([[1, 0, 1]]), 2, 0.8, 0.2, _gen(0))
+    # padded to a multiple (past the grid's 40 cells here): the same elements, then padding
+    padded = compact(keep, 10, 64)
+    assert padded.real.shape == (2, 64) and int(padded.real.sum()) == int(el.real.sum())
+    n = el.real.shape[1]
+    for name in ("anchor", "depth", "real"):
+        assert torch.equal(getattr(padded, name)[:, :n], getattr(el, name))
+    assert not padded.real[:, n:].any() and not padded.anchor[:, n:].any()
 
 
 def _elements():

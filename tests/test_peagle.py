@@ -9,7 +9,7 @@ from eyas.heads.config import DraftHeadConfig
 from eyas.heads.peagle import PEagleHead, choose_mask_token_id
 from eyas.recipe import TrainSection
 from eyas.train.batching import shift_left
-from eyas.train.cod import cod_grid, compact, peagle_forward, peagle_loss
+from eyas.train.cod import cod_grid, compact, element_label_slots, peagle_forward, peagle_loss
 from eyas.train.losses import TargetLabels
 
 V, AUX = 50, 72
@@ -34,12 +34,13 @@ def _cfg(**kw):
     return DraftHeadConfig(**base)
 
 
+@pytest.mark.parametrize("multiple", [1, 64], ids=["unpadded", "elements-padded-to-64"])
 @pytest.mark.parametrize(
     "opts",
     [dict(), dict(num_hidden_layers=2, fc_norm=True), dict(num_hidden_layers=3, norm_before_fc=True)],
     ids=["1-layer", "2-layer-fc_norm", "3-layer-input_norm"],
 )
-def test_train_serve_equality(opts):
+def test_train_serve_equality(opts, multiple):
     torch.manual_seed(0)
     head = PEagleHead(_cfg(**opts)).double()
     b, t, depths = 2, 11, 4
@@ -47,7 +48,8 @@ def test_train_serve_equality(opts):
     am = torch.ones(b, t, dtype=torch.long)
     am[1, 8:] = 0
     aux = torch.randn(b, t, AUX, dtype=torch.double)
-    el = compact(cod_grid(am, depths, 0.7, 0.1, torch.Generator().manual_seed(5)), t)
+    el = compact(cod_grid(am, depths, 0.7, 0.1, torch.Generator().manual_seed(5)), t, multiple)
+    assert el.real.shape[1] % multiple == 0  # padding elements see only themselves
     train = peagle_forward(head, el, ids, aux)
     nxt = shift_left(ids, 1, 0)
     checked = 0
@@ -112,6 +114,37 @@ def test_segments_give_the_unsegmented_loss_and_gradients():
         torch.testing.assert_close(
             g_full[name], g_seg[name], rtol=1e-6, atol=1e-8, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+@pytest.mark.parametrize("seg", [None, 6])
+def test_loss_equals_the_mean_soft_cross_entropy_over_every_labelled_element(seg):
+    """The loss runs the LM head on the labelled elements only, in padded row and element
+    counts; it must equal the soft cross-entropy of the full logits of the unpadded
+    elements, and so must its gradients."""
+    head, batch = _double_head_and_batch(5, layers=1, b=3, t=19)
+    batch["attention_mask"][1, 12:] = 0
+    labels = _random_labels(batch["attention_mask"], V, torch.Generator().manual_seed(2))
+    cfg = TrainSection(peagle={"num_depths": 4, "cod_r": 0.6, "cod_r_min": 0.1, "segment_length": seg})
+    stats = peagle_loss(head, batch, labels, cfg, torch.Generator().manual_seed(3))
+    stats.loss.backward()
+    fast = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+    head.zero_grad()
+    el = compact(cod_grid(batch["attention_mask"], 4, 0.6, 0.1, torch.Generator().manual_seed(3)), 19)
+    slot, valid = element_label_slots(el, labels)
+    target = labels.logits.gather(1, slot[..., None].expand(-1, -1, V))
+    logits = peagle_forward(head, el, batch["input_ids"], batch["aux"])
+    probs = torch.softmax(target[valid], dim=-1)  # float64 throughout
+    reference = -(probs * torch.log_softmax(logits[valid], dim=-1)).sum(-1).mean()
+    reference.backward()
+    # float32-level agreement: the head's RMSNorm computes in float32 even in a float64 head
+    torch.testing.assert_close(stats.loss.detach(), reference.detach(), rtol=1e-6, atol=1e-9)
+    assert sum(stats.counts) == int(valid.sum())
+    assert fast.keys() == {n for n, p in head.named_parameters() if p.grad is not None}
+    for name, p in head.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(
+                fast[name], p.grad, rtol=1e-6, atol=1e-8, msg=lambda m, n=name: f"{n}: {m}"
+            )
 
 
 def test_a_head_as_wide_as_its_target_learns_only_the_mask_row():

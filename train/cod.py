@@ -24,6 +24,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from eyas.heads.peagle import PEagleHead
+from eyas.train.batching import round_up
+from eyas.train.fastpath import ROW_MULTIPLE
 from eyas.train.losses import TargetLabels, soft_cross_entropy_rows
 from eyas.train.masks import peagle_block_mask, peagle_dense_mask
 from eyas.train.step_stats import StepStats
@@ -94,12 +96,17 @@ def cod_grid(
     return keep.view(b, num_depths * t).to(attention_mask.device)
 
 
-def compact(keep: torch.Tensor, t: int) -> PEagleElements:
-    """keep [B, D·T] -> the kept cells of each sample in grid order, padded to the longest."""
+def compact(keep: torch.Tensor, t: int, multiple: int = 1) -> PEagleElements:
+    """keep [B, D·T] -> the kept cells of each sample in grid order, padded to the longest
+    and then to a multiple of `multiple` (the loss passes ROW_MULTIPLE: the element count
+    is drawn anew for every batch, and CPU kernels are built per shape)."""
     order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
-    length = max(int(keep.sum(1).max()), 1)
+    counts = keep.sum(1, keepdim=True)
+    length = round_up(max(int(counts.max()), 1), multiple)
+    if length > order.shape[1]:
+        order = torch.cat([order, order.new_zeros(order.shape[0], length - order.shape[1])], dim=1)
     cells = order[:, :length]
-    real = torch.arange(length, device=keep.device)[None] < keep.sum(1, keepdim=True)
+    real = torch.arange(length, device=keep.device)[None] < counts
     anchor = torch.where(real, cells % t, 0)
     depth = torch.where(real, cells // t, 0)
     return PEagleElements(anchor=anchor, depth=depth, real=real)
@@ -113,7 +120,8 @@ def element_inputs(head: PEagleHead, elements: PEagleElements, input_ids: torch.
     nxt = torch.cat([input_ids[:, 1:], input_ids.new_zeros(b, 1)], dim=1)
     mask_ids, mask_aux = head.mask_slot_inputs(1, 1, input_ids.device)
     tokens = torch.where(deep, mask_ids.view(1, 1), nxt.gather(1, elements.anchor))
-    span = int(elements.anchor.max()) + 1  # only slots some element reads
+    # only the slots some element reads, in few distinct widths (kernels are built per shape)
+    span = min(t, round_up(int(elements.anchor.max()) + 1, ROW_MULTIPLE))
     g = head.combine_aux(aux[:, :span])
     g_mask = head.combine_aux(mask_aux)  # [1, 1, H]
     idx = elements.anchor.clamp(max=span - 1)[..., None].expand(-1, -1, g.shape[-1])
@@ -130,13 +138,18 @@ def element_label_slots(elements: PEagleElements, labels: TargetLabels) -> tuple
     return slot, inside & labels.valid.gather(1, slot)
 
 
-def peagle_forward(head: PEagleHead, elements: PEagleElements, input_ids, aux) -> torch.Tensor:
-    """Logits [B, L, Vd] of every element, in one pass under the P-EAGLE mask."""
+def peagle_hidden(head: PEagleHead, elements: PEagleElements, input_ids, aux) -> torch.Tensor:
+    """The head's last hidden state [B, L, H] of every element, in one pass under the
+    P-EAGLE mask (before the final norm)."""
     tokens, hidden = element_inputs(head, elements, input_ids, aux)
-    logits, _ = head.forward_step(
+    return head.forward_layers(
         tokens, hidden, elements.positions, head.new_cache(), elements.attention_mask()
     )
-    return logits
+
+
+def peagle_forward(head: PEagleHead, elements: PEagleElements, input_ids, aux) -> torch.Tensor:
+    """Logits [B, L, Vd] of every element, in one pass under the P-EAGLE mask."""
+    return head.lm_head(head.norm(peagle_hidden(head, elements, input_ids, aux)))
 
 
 def segment_keeps(keep: torch.Tensor, t: int, num_depths: int, segment_length: int | None):
@@ -158,15 +171,23 @@ def _segment_loss(
     head, elements: PEagleElements, bi, li, target_rows, input_ids, aux, weight, compile_mode: str = "off"
 ):
     """The segment's share of the loss (its per-element soft CE weighted by `weight` [N])
-    plus, detached, the per-element CE [N] and draft argmax [N] for elements (bi, li)."""
-    logits = peagle_forward(head, elements, input_ids, aux)
-    if bi.numel() == 0:
-        empty = logits.new_zeros(0)
-        return logits.sum() * 0.0, empty, empty.long()
-    rows = logits[bi, li]
+    plus, detached, the per-element CE [N] and draft argmax [N] for elements (bi, li).
+    The LM head and the loss run on those N rows only (most of a segment's elements are
+    padding or have no label), rounded up to ROW_MULTIPLE with weight-0 copies of row 0."""
+    h = peagle_hidden(head, elements, input_ids, aux)
+    n = bi.numel()
+    if n == 0:
+        # a zero that still reaches every parameter, so DDP sees each one used
+        empty = h.new_zeros(0)
+        return head.lm_head(head.norm(h[:, :1])).sum() * 0.0, empty, empty.long()
+    pad = round_up(n, ROW_MULTIPLE) - n
+    bi, li = torch.cat([bi, bi.new_zeros(pad)]), torch.cat([li, li.new_zeros(pad)])
+    target_rows = torch.cat([target_rows, target_rows[:1].expand(pad, -1)])
+    weight = torch.cat([weight, weight.new_zeros(pad)])
+    rows = head.lm_head(head.norm(h[bi, li]))
     acc = torch.promote_types(rows.dtype, torch.float32)  # >= fp32 under bf16 autocast
     ce, top = soft_cross_entropy_rows(rows, torch.softmax(target_rows.to(acc), dim=-1), compile_mode)
-    return (ce * weight.to(ce.dtype)).sum(), ce.detach(), top
+    return (ce * weight.to(ce.dtype)).sum(), ce.detach()[:n], top[:n]
 
 
 def element_weights(
@@ -231,7 +252,7 @@ def peagle_loss(
     counts = torch.zeros(depths, dtype=torch.long)
     loss = None
     for n, (cells, own) in enumerate(segments):
-        elements = compact(cells, t)
+        elements = compact(cells, t, ROW_MULTIPLE)
         owned = own.gather(1, elements.depth * t + elements.anchor) & elements.real
         slot, valid = element_label_slots(elements, labels)
         bi, li = (valid & owned).nonzero(as_tuple=True)
