@@ -250,13 +250,36 @@ def prefix_causal_mask(num_new: int, num_keys: int, device) -> torch.Tensor:
     return (torch.arange(num_keys, device=device)[None, :] <= q)[None, None]
 
 
+FLEX_MIN_LENGTH = 128  # flex attention's block: a shorter sequence is one block anyway
+FLEX_RECOMPILE_LIMIT = 128  # more than the (rows, length) buckets a run can meet
+
+
+def flex_bucket(n: int, least: int = 1) -> int:
+    """The size flex attention runs at for `n` rows or elements: the next power of two, at
+    least `least`. The compiled kernel is specialised to its shapes, and past dynamo's
+    recompile limit (8 by default) dynamo runs flex eagerly, an unfused reference that
+    materialises every score (out of memory at GPT-OSS's P-EAGLE segments); P-EAGLE's
+    element count is new every batch, so shapes are rounded to these few sizes. Padding
+    elements attend only to themselves: their blocks are skipped but the diagonal."""
+    return max(least, 1 << max(0, n - 1).bit_length())
+
+
 @functools.cache
 def _compiled_flex_attention():
     """flex_attention compiled once per process: run eagerly it falls back to an unfused
-    reference that materialises every score and skips no masked block."""
+    reference that materialises every score and skips no masked block. Each shape bucket
+    (`flex_bucket`) compiles once; the recompile limit is raised to hold them all."""
+    import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
     return torch.compile(flex_attention, dynamic=False)
+
+
+def _pad_rows_and_length(x: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    """x [B, heads, L, D] zero-padded to [rows, heads, length, D]."""
+    return F.pad(x, (0, 0, 0, length - x.shape[2], 0, 0, 0, rows - x.shape[0]))
 
 
 def flex_kernel_options(q: torch.Tensor) -> dict | None:
@@ -275,7 +298,19 @@ _flex_options_failed: list[str] = []  # the error, once a torch refused the tile
 
 def flex_block_attention(q, keys, values, block_mask, scale: float, gqa: bool) -> torch.Tensor:
     """Compiled flex attention over a BlockMask, with `flex_kernel_options`; a torch whose
-    flex rejects those tiles gets its own choice (warned once) instead of a failed run."""
+    flex rejects those tiles gets its own choice (warned once) instead of a failed run.
+    A mask built for more rows or a longer sequence (`flex_bucket`) gets q, keys and values
+    zero-padded to its shape, and the output cut back."""
+    b, n = q.shape[0], q.shape[2]
+    if block_mask is not None:
+        rows, _, q_len, kv_len = block_mask.shape
+        if (rows, q_len, kv_len) != (b, n, keys.shape[2]):
+            q = _pad_rows_and_length(q, rows, q_len)
+            keys, values = (_pad_rows_and_length(x, rows, kv_len) for x in (keys, values))
+    return _flex_attention_with_options(q, keys, values, block_mask, scale, gqa)[:b, :, :n]
+
+
+def _flex_attention_with_options(q, keys, values, block_mask, scale: float, gqa: bool) -> torch.Tensor:
     options = None if _flex_options_failed else flex_kernel_options(q)
     if options is not None:
         try:

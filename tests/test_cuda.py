@@ -119,6 +119,41 @@ def test_peagle_flex_block_mask_forward_and_backward_match_the_dense_mask():
         torch.testing.assert_close(flex_g[name], dense_g[name], rtol=1e-3, atol=1e-3, msg=name)
 
 
+def test_peagle_loss_over_many_batch_shapes_stays_compiled():
+    """A P-EAGLE run meets a new element count every batch. Compiled flex attention is
+    specialised per shape and, past dynamo's recompile limit, runs eagerly (every score
+    materialised: out of memory at GPT-OSS's segments) with only a warning: a dozen
+    batches of other lengths and row counts must all run compiled, forward and backward."""
+    import warnings
+
+    from eyas.recipe import TrainSection
+    from eyas.train.cod import peagle_loss
+    from eyas.train.losses import TargetLabels
+
+    torch.manual_seed(0)
+    head = PEagleHead(_cfg(algorithm="peagle", mask_token_id=V - 1, num_hidden_layers=2)).cuda()
+    cfg = TrainSection(peagle={"num_depths": 5, "cod_r": 0.8, "cod_r_min": 0.2})
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for b, t in [(b, t) for b in (1, 3, 6) for t in (96, 201, 333, 517)]:
+            batch = {
+                "input_ids": torch.randint(0, V - 1, (b, t), device="cuda"),
+                "attention_mask": torch.ones(b, t, dtype=torch.long, device="cuda"),
+                "aux": torch.randn(b, t, AUX, device="cuda"),
+            }
+            logits = torch.randn(b, t, V, device="cuda")
+            valid = torch.ones(b, t, dtype=torch.bool, device="cuda")
+            valid[:, -1] = False
+            labels = TargetLabels(logits=logits, argmax=logits.argmax(-1), valid=valid)
+            head.zero_grad(set_to_none=True)
+            stats = peagle_loss(head, batch, labels, cfg, gen)
+            stats.loss.backward()
+            assert torch.isfinite(stats.loss) and head.mask_hidden.grad.abs().sum() > 0, (b, t)
+    eager = [str(w.message) for w in caught if "without torch.compile" in str(w.message)]
+    assert not eager, eager[0]
+
+
 @pytest.mark.parametrize(
     "family,algorithm,features",
     [("llama", "eagle3", "offline"), ("gpt_oss", "eagle3", "online"), ("qwen3_moe", "peagle", "offline")],

@@ -292,15 +292,17 @@ def test_peagle_loss_overfits_one_batch_of_a_tiny_target(tiny_llama_dir):
 
 
 @pytest.mark.slow
-def test_flex_block_mask_gives_the_dense_mask_logits():
-    """The CUDA path (flex attention over the block mask) against SDPA with the dense mask;
-    run here on CPU, forward only (flex has no CPU backward)."""
+@pytest.mark.parametrize("b", [2, 3], ids=["2-rows", "3-rows-padded-to-4"])
+def test_flex_block_mask_gives_the_dense_mask_logits(b):
+    """The CUDA path (flex attention over the block mask, its rows and elements padded to
+    `flex_bucket`s) against SDPA with the dense mask; run here on CPU, forward only (flex
+    has no CPU backward)."""
     from eyas.train.cod import element_inputs
     from eyas.train.masks import peagle_block_mask, peagle_dense_mask
 
     torch.manual_seed(0)
     head = PEagleHead(_cfg(num_hidden_layers=2))
-    b, t = 2, 40
+    t = 40
     ids = torch.randint(0, V - 1, (b, t))
     am = torch.ones(b, t, dtype=torch.long)
     am[1, 30:] = 0
@@ -340,3 +342,66 @@ def test_flex_attention_falls_back_to_torch_tiles_once_refused(monkeypatch, capl
     torch.testing.assert_close(out, q * 2.0)
     assert calls == [{"BLOCK_M": 128}, None, None]
     assert caplog.text.count("refused kernel options") == 1
+
+
+def test_flex_bucket_rounds_rows_and_elements_to_powers_of_two():
+    from eyas.heads.layers import FLEX_MIN_LENGTH, flex_bucket
+
+    assert [flex_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
+    assert [flex_bucket(n, FLEX_MIN_LENGTH) for n in (1, 100, 128, 129, 4000)] == [128, 128, 128, 256, 4096]
+
+
+def test_peagle_batches_reach_flex_attention_in_few_shapes(monkeypatch):
+    """Compiled flex attention is specialised per shape and runs eagerly (every score
+    materialised) past dynamo's recompile limit: batches of every length must reach it in
+    a handful of shapes, each a power of two, with the real rows' output unchanged."""
+    from eyas.heads import layers
+    from eyas.train.cod import element_inputs
+    from eyas.train.masks import peagle_block_mask, peagle_dense_mask
+
+    shapes = set()
+
+    def recording_flex(q, k, v, block_mask=None, scale=None, enable_gqa=False, kernel_options=None):
+        shapes.add((tuple(q.shape), tuple(k.shape), tuple(block_mask.shape)))
+        rows, _, q_len, kv_len = block_mask.shape
+        dense = block_mask.mask_mod(
+            torch.arange(rows)[:, None, None, None],
+            torch.zeros(1, 1, 1, 1, dtype=torch.long),
+            torch.arange(q_len)[None, None, :, None],
+            torch.arange(kv_len)[None, None, None, :],
+        )
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=dense, scale=scale, enable_gqa=enable_gqa
+        )
+
+    monkeypatch.setattr(layers, "_compiled_flex_attention", lambda: recording_flex)
+    torch.manual_seed(0)
+    head = PEagleHead(_cfg())
+    lengths = [(b, t) for b in (1, 2, 3, 5) for t in (9, 17, 30, 41)]  # at most 128 elements
+    for i, (b, t) in enumerate(lengths):
+        ids = torch.randint(0, V - 1, (b, t))
+        am = torch.ones(b, t, dtype=torch.long)
+        am[0, t - 3 :] = 0
+        el = compact(cod_grid(am, 4, 0.7, 0.1, torch.Generator().manual_seed(i)), t)
+        with torch.no_grad():
+            tokens, hidden = element_inputs(head, el, ids, torch.randn(b, t, AUX))
+            dense, _ = head.forward_step(
+                tokens,
+                hidden,
+                el.positions,
+                head.new_cache(),
+                peagle_dense_mask(el.anchor, el.depth, el.real),
+            )
+            flex, _ = head.forward_step(
+                tokens,
+                hidden,
+                el.positions,
+                head.new_cache(),
+                peagle_block_mask(el.anchor, el.depth, el.real),
+            )
+        torch.testing.assert_close(flex[el.real], dense[el.real], rtol=1e-5, atol=1e-5)
+    q_shapes = {q for q, _, _ in shapes}
+    assert len(q_shapes) <= 4 < len(lengths)  # rows 1, 2, 4, 8 at 128 elements each
+    for q, k, mask in shapes:
+        assert q[0] & (q[0] - 1) == 0 and q[2] & (q[2] - 1) == 0 and q[2] >= 128
+        assert (mask[0], mask[2], mask[3]) == (q[0], q[2], k[2])

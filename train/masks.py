@@ -4,6 +4,7 @@ tests compare against."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -103,8 +104,16 @@ def peagle_mask_mod(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tenso
 
 def peagle_block_mask(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor):
     """anchor / depth / real [B, L] -> a flex-attention BlockMask (built once per batch
-    or segment; masked blocks are skipped on CUDA)."""
+    or segment; masked blocks are skipped on CUDA) over B and L rounded up to
+    `flex_bucket`s, the added rows and elements padding (flex_block_attention pads q, k
+    and v to match)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    from eyas.heads.layers import FLEX_MIN_LENGTH, flex_bucket
+
     b, n = anchor.shape
-    return create_block_mask(peagle_mask_mod(anchor, depth, real), b, None, n, n, device=anchor.device)
+    rows, length = flex_bucket(b), flex_bucket(n, FLEX_MIN_LENGTH)
+    pad = (0, length - n, 0, rows - b)
+    anchor, depth, real = (F.pad(x.long(), pad) for x in (anchor, depth, real))
+    mask_mod = peagle_mask_mod(anchor, depth, real)
+    return create_block_mask(mask_mod, rows, None, length, length, device=anchor.device)
