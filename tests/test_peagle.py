@@ -292,13 +292,28 @@ def test_peagle_loss_overfits_one_batch_of_a_tiny_target(tiny_llama_dir):
 
 
 @pytest.mark.slow
+def _dense_and_flex_logits(head, elements, ids, aux):
+    """The head's logits over `elements` under SDPA with the dense mask, and under flex
+    attention with the block mask (the CUDA path, forward only here)."""
+    from eyas.train.cod import element_inputs
+    from eyas.train.masks import peagle_block_mask, peagle_dense_mask
+
+    el = elements
+    with torch.no_grad():
+        tokens, hidden = element_inputs(head, el, ids, aux)
+        return [
+            head.forward_step(
+                tokens, hidden, el.positions, head.new_cache(), mask(el.anchor, el.depth, el.real)
+            )[0]
+            for mask in (peagle_dense_mask, peagle_block_mask)
+        ]
+
+
 @pytest.mark.parametrize("b", [2, 3], ids=["2-rows", "3-rows-padded-to-4"])
 def test_flex_block_mask_gives_the_dense_mask_logits(b):
     """The CUDA path (flex attention over the block mask, its rows and elements padded to
     `flex_bucket`s) against SDPA with the dense mask; run here on CPU, forward only (flex
     has no CPU backward)."""
-    from eyas.train.cod import element_inputs
-    from eyas.train.masks import peagle_block_mask, peagle_dense_mask
 
     torch.manual_seed(0)
     head = PEagleHead(_cfg(num_hidden_layers=2))
@@ -307,14 +322,7 @@ def test_flex_block_mask_gives_the_dense_mask_logits(b):
     am = torch.ones(b, t, dtype=torch.long)
     am[1, 30:] = 0
     el = compact(cod_grid(am, 4, 0.7, 0.1, torch.Generator().manual_seed(1)), t)
-    with torch.no_grad():
-        tokens, hidden = element_inputs(head, el, ids, torch.randn(b, t, AUX))
-        dense, _ = head.forward_step(
-            tokens, hidden, el.positions, head.new_cache(), peagle_dense_mask(el.anchor, el.depth, el.real)
-        )
-        flex, _ = head.forward_step(
-            tokens, hidden, el.positions, head.new_cache(), peagle_block_mask(el.anchor, el.depth, el.real)
-        )
+    dense, flex = _dense_and_flex_logits(head, el, ids, torch.randn(b, t, AUX))
     torch.testing.assert_close(flex[el.real], dense[el.real], rtol=1e-5, atol=1e-5)
 
 
@@ -356,8 +364,6 @@ def test_peagle_batches_reach_flex_attention_in_few_shapes(monkeypatch):
     materialised) past dynamo's recompile limit: batches of every length must reach it in
     a handful of shapes, each a power of two, with the real rows' output unchanged."""
     from eyas.heads import layers
-    from eyas.train.cod import element_inputs
-    from eyas.train.masks import peagle_block_mask, peagle_dense_mask
 
     shapes = set()
 
@@ -383,22 +389,7 @@ def test_peagle_batches_reach_flex_attention_in_few_shapes(monkeypatch):
         am = torch.ones(b, t, dtype=torch.long)
         am[0, t - 3 :] = 0
         el = compact(cod_grid(am, 4, 0.7, 0.1, torch.Generator().manual_seed(i)), t)
-        with torch.no_grad():
-            tokens, hidden = element_inputs(head, el, ids, torch.randn(b, t, AUX))
-            dense, _ = head.forward_step(
-                tokens,
-                hidden,
-                el.positions,
-                head.new_cache(),
-                peagle_dense_mask(el.anchor, el.depth, el.real),
-            )
-            flex, _ = head.forward_step(
-                tokens,
-                hidden,
-                el.positions,
-                head.new_cache(),
-                peagle_block_mask(el.anchor, el.depth, el.real),
-            )
+        dense, flex = _dense_and_flex_logits(head, el, ids, torch.randn(b, t, AUX))
         torch.testing.assert_close(flex[el.real], dense[el.real], rtol=1e-5, atol=1e-5)
     q_shapes = {q for q, _, _ in shapes}
     assert len(q_shapes) <= 4 < len(lengths)  # rows 1, 2, 4, 8 at 128 elements each
