@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from eyas.heads.peagle import PEagleHead
 from eyas.train.batching import round_up
-from eyas.train.fastpath import ROW_MULTIPLE
+from eyas.train.fastpath import ROW_MULTIPLE, padded_rows
 from eyas.train.losses import TargetLabels, soft_cross_entropy_rows
 from eyas.train.masks import peagle_block_mask, peagle_dense_mask
 from eyas.train.step_stats import StepStats
@@ -180,10 +180,8 @@ def _segment_loss(
         # a zero that still reaches every parameter, so DDP sees each one used
         empty = h.new_zeros(0)
         return head.lm_head(head.norm(h[:, :1])).sum() * 0.0, empty, empty.long()
-    pad = round_up(n, ROW_MULTIPLE) - n
-    bi, li = torch.cat([bi, bi.new_zeros(pad)]), torch.cat([li, li.new_zeros(pad)])
-    target_rows = torch.cat([target_rows, target_rows[:1].expand(pad, -1)])
-    weight = torch.cat([weight, weight.new_zeros(pad)])
+    bi, li, weight = padded_rows(bi, fill=0), padded_rows(li, fill=0), padded_rows(weight, fill=0)
+    target_rows = padded_rows(target_rows)
     rows = head.lm_head(head.norm(h[bi, li]))
     acc = torch.promote_types(rows.dtype, torch.float32)  # >= fp32 under bf16 autocast
     ce, top = soft_cross_entropy_rows(rows, torch.softmax(target_rows.to(acc), dim=-1), compile_mode)

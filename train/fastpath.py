@@ -107,6 +107,14 @@ def _round_up(n: int) -> int:
     return round_up(n, ROW_MULTIPLE)
 
 
+def padded_rows(x: torch.Tensor, fill=None) -> torch.Tensor:
+    """x [N, ...] with rows appended up to a multiple of ROW_MULTIPLE (`_round_up`): `fill`,
+    or copies of row 0. The caller keeps N to tell the real rows from the added ones."""
+    pad = _round_up(x.shape[0]) - x.shape[0]
+    extra = x[:1].expand(pad, *x.shape[1:]) if fill is None else x.new_full((pad, *x.shape[1:]), fill)
+    return torch.cat([x, extra])
+
+
 def ttt_loss_valid_rows(
     head, batch: dict, labels: TargetLabels, steps: int, decay: float, compile_mode: str = "off"
 ) -> StepStats:
@@ -126,8 +134,9 @@ def ttt_loss_valid_rows(
     label_rows = labels.valid.reshape(-1).nonzero().squeeze(1)  # flat slots s, ascending
     # The row count is rounded up with copies of slot 0 that never count (`real`), so the
     # LM head and loss see a few shapes, not one per batch.
-    real = torch.arange(_round_up(label_rows.numel()), device=label_rows.device) < label_rows.numel()
-    label_rows = torch.cat([label_rows, label_rows.new_zeros(real.numel() - label_rows.numel())])
+    n_rows = label_rows.numel()
+    label_rows = padded_rows(label_rows, fill=0)
+    real = torch.arange(label_rows.numel(), device=label_rows.device) < n_rows
     label_pos = label_rows % t  # s's position inside its sample
     probs = torch.softmax(labels.logits.reshape(b * t, -1).index_select(0, label_rows).float(), dim=-1)
     label_argmax = labels.argmax.reshape(-1).index_select(0, label_rows)
