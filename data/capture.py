@@ -170,6 +170,22 @@ def _shard_name(k: int) -> str:
     return f"shard-{k:05d}.safetensors"
 
 
+def _shard_intact(out_dir: Path, shard: dict) -> bool:
+    """Whether a manifest entry's file is there with its recorded size and sha256 (a warning
+    names the shard that is not: it is recomputed)."""
+    f = out_dir / shard["file"]
+    if not f.is_file():
+        problem = "missing"
+    elif f.stat().st_size != shard.get("bytes", f.stat().st_size):
+        problem = f"{f.stat().st_size} bytes, the manifest says {shard['bytes']}"
+    elif sha256_bytes(f.read_bytes()) != shard["sha256"]:
+        problem = "checksum mismatch (damaged)"
+    else:
+        return True
+    log.warning("%s: %s; recomputing it", f, problem)
+    return False
+
+
 def capture_split(
     model,
     dataset,
@@ -237,10 +253,11 @@ def capture_split(
             "complete": False,
             "shards": [],
         }
-    # A shard counts as done when the manifest lists it and its file exists; a deleted
-    # (e.g. damaged) shard is recomputed.
+    # A shard counts as done when the manifest lists it and its file holds the bytes the
+    # manifest's checksum names; a missing or damaged shard is recomputed, so a rerun repairs
+    # what `--verify` names instead of calling the capture complete.
     manifest["complete"] = False
-    manifest["shards"] = [s for s in manifest["shards"] if (out_dir / s["file"]).is_file()]
+    manifest["shards"] = [s for s in manifest["shards"] if _shard_intact(out_dir, s)]
     have = {s["file"] for s in manifest["shards"]}
     todo = [k for k in range(len(plan.shards)) if _shard_name(k) not in have]
     done = len(plan.shards) - len(todo)

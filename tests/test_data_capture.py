@@ -192,3 +192,38 @@ def test_capture_entry_point_writes_every_split_and_refuses_without_prepared_dat
         assert m == read_manifest(recipe.paths.cache / split) and m["complete"]
         assert len(FeatureCache(recipe.paths.cache, split)) == m["num_samples"] > 0
     assert any("aux layers" in line for line in said)
+
+
+def test_rerunning_capture_over_a_damaged_shard_recomputes_it(tmp_path, tiny_llama_dir, caplog):
+    """`eyas capture` again after a shard was damaged: the damaged shard is named and
+    recomputed (the intact ones are kept), so --verify passes afterwards; before, the rerun
+    called the capture complete and --verify still named the shard."""
+    import yaml
+    from train_run_fixtures import prepare_run
+
+    from eyas.cli import main
+
+    recipe = prepare_run(tmp_path, tiny_llama_dir, "online", n=12)
+    tree = recipe.model_dump(mode="json")
+    tree["data"].update(features="offline", shard_tokens=200)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    assert main(["capture", "--no-progress", "-r", str(path)]) == 0
+    split_dir = recipe.paths.cache / "train"
+    intact = json.loads((split_dir / "manifest.json").read_text())
+    assert len(intact["shards"]) >= 2
+    victim = split_dir / intact["shards"][-1]["file"]
+    kept = split_dir / intact["shards"][0]["file"]
+    kept_mtime = kept.stat().st_mtime_ns
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    assert main(["capture", "--verify", "-r", str(path)]) == 1
+
+    caplog.clear()
+    assert main(["capture", "--no-progress", "-r", str(path)]) == 0
+    named = [r.getMessage() for r in caplog.records if victim.name in r.getMessage()]
+    assert any("checksum mismatch" in m and "recomputing" in m for m in named), caplog.text
+    assert json.loads((split_dir / "manifest.json").read_text()) == intact
+    assert kept.stat().st_mtime_ns == kept_mtime  # the intact shard was not rewritten
+    assert main(["capture", "--verify", "-r", str(path)]) == 0
