@@ -44,6 +44,10 @@ class DamagedShardError(RuntimeError):
     """A shard is missing or its checksum does not match the manifest."""
 
 
+class IncompleteCacheError(RuntimeError):
+    """The capture of a split was started but never finished (killed, or still running)."""
+
+
 class StaleCacheError(ValueError):
     """The cache was captured from other prepared data than the run holds now."""
 
@@ -167,7 +171,7 @@ class FeatureCache:
         if manifest is None or manifest.get("format") != FORMAT:
             raise FileNotFoundError(f"no feature cache at {self.dir} (run `eyas capture`)")
         if not manifest.get("complete") and not allow_incomplete:
-            raise RuntimeError(f"{self.dir}: capture incomplete; rerun `eyas capture` to resume it")
+            raise IncompleteCacheError(f"{self.dir}: capture incomplete; rerun `eyas capture` to resume it")
         self.manifest = manifest
         self.aux_layer_ids: list[int] = list(manifest["aux_layer_ids"])
         self.hidden_size: int = manifest["hidden_size"]

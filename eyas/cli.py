@@ -61,7 +61,7 @@ def setup_logging(verbose: bool = False) -> None:
 KNOWN_FAILURES = {
     "eyas.budget": ("BudgetError",),
     "eyas.data.conversations": ("NoUsableDataError",),
-    "eyas.data.cache": ("DamagedShardError", "StaleCacheError"),
+    "eyas.data.cache": ("DamagedShardError", "IncompleteCacheError", "StaleCacheError"),
     "eyas.data.capture": ("CaptureError",),
     "eyas.target.load": ("TargetLoadError",),
     "eyas.data.regenerate_server": ("ServerError",),

@@ -161,3 +161,29 @@ def test_a_cache_of_other_prepared_data_is_refused_and_named(tmp_path, tiny_llam
     assert main(["capture", "--no-progress", "--overwrite", "-r", str(path)]) == 0
     assert main(["capture", "--verify", "-r", str(path)]) == 0
     assert main(["train", "--no-progress", "-r", str(path)]) == 0
+
+
+def test_training_on_a_capture_that_never_finished_is_one_line(tmp_path, tiny_llama_dir, capsys):
+    """A killed capture leaves a manifest that is not complete: `eyas train` says so in one
+    line naming the cache and `eyas capture` (no traceback); the capture rerun resumes it."""
+    recipe = prepare_run(tmp_path, tiny_llama_dir, "online", n=12, max_steps=2, save_every=0, eval_every=0)
+    tree = recipe.model_dump(mode="json")
+    tree["data"].update(features="offline", shard_tokens=200)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    assert main(["capture", "--no-progress", "-r", str(path)]) == 0
+    split_dir = recipe.paths.cache / "train"
+    manifest = json.loads((split_dir / "manifest.json").read_text())
+    assert len(manifest["shards"]) >= 2
+    for shard in manifest["shards"][1:]:  # what a kill after the first shard leaves
+        (split_dir / shard["file"]).unlink()
+    cut = {**manifest, "complete": False, "shards": manifest["shards"][:1]}
+    (split_dir / "manifest.json").write_text(json.dumps(cut))
+    capsys.readouterr()
+    assert main(["train", "--no-progress", "-r", str(path)]) == 1
+    line, captured = _last_line(capsys)
+    assert "Traceback" not in captured.err
+    assert line == f"eyas train: {split_dir}: capture incomplete; rerun `eyas capture` to resume it"
+    assert main(["capture", "--no-progress", "-r", str(path)]) == 0
+    assert json.loads((split_dir / "manifest.json").read_text()) == manifest
+    assert main(["train", "--no-progress", "-r", str(path)]) == 0
