@@ -91,6 +91,16 @@ def known_failure(err: BaseException) -> str | None:
         )
     if isinstance(err, RuntimeError) and "PytorchStreamWriter failed writing file" in str(err):
         return "writing a checkpoint failed (is the disk full?): free some space and run again"
+    safetensors = sys.modules.get("safetensors")
+    if (
+        safetensors is not None
+        and isinstance(err, safetensors.SafetensorError)
+        and any(s in str(err) for s in ("No space left", "StorageFull", "code: 28"))
+    ):  # safetensors' writer reports ENOSPC as its own error, with no file name
+        return (
+            "no space left on the device writing a safetensors file (a checkpoint, an export or a cache "
+            "shard): free some space and run again (a checkpointed stage resumes where it stopped)"
+        )
     hub_errors = sys.modules.get("huggingface_hub.errors")
     if hub_errors is not None and isinstance(
         err, (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled)

@@ -294,6 +294,50 @@ def test_a_full_disk_is_said_in_words():
     assert known_failure(ValueError("a bug")) is None
 
 
+# What safetensors 0.8 raises when the disk fills during save_file (its Rust io::Error, Debug-printed).
+SAFETENSORS_DISK_FULL = (
+    'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+)
+
+
+def test_a_full_disk_while_safetensors_writes_a_checkpoint_is_one_line(
+    tmp_path, tiny_llama_dir, capsys, caplog, monkeypatch
+):
+    """The second checkpoint fails to write as on a full disk: `eyas train` says so in one
+    line (before: a SafetensorError traceback), the first checkpoint is kept and a rerun
+    resumes from it to the end."""
+    import logging
+
+    import yaml
+    from safetensors import SafetensorError
+    from train_run_fixtures import prepare_run
+
+    import eyas.train.checkpoint as ckpt
+
+    recipe = prepare_run(tmp_path, tiny_llama_dir, "online", n=8, max_steps=4, save_every=2, eval_every=0)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe.model_dump(mode="json")))
+    real_save = ckpt.save_file
+
+    def disk_full_after_the_first_checkpoint(tensors, filename, *args, **kwargs):
+        if ckpt.list_checkpoints(recipe.paths.checkpoints):
+            raise SafetensorError(SAFETENSORS_DISK_FULL)
+        return real_save(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save_file", disk_full_after_the_first_checkpoint)
+    capsys.readouterr()
+    assert main(["train", "--no-progress", "-r", str(path)]) == 1
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("eyas train: no space left on the device"), err[-2000:]
+    assert [step for step, _ in ckpt.list_checkpoints(recipe.paths.checkpoints)] == [2]
+    monkeypatch.setattr(ckpt, "save_file", real_save)
+    caplog.set_level(logging.INFO)
+    assert main(["train", "--no-progress", "-r", str(path)]) == 0
+    assert "(step 2)" in caplog.text and "resumed from" in caplog.text
+    assert (recipe.paths.checkpoints / "final").is_dir()
+
+
 def test_an_unreachable_hub_is_said_in_words():
     from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
 
