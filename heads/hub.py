@@ -199,7 +199,10 @@ def model_card(head_dir: str | Path, repo_id: str, eval_report: str | Path | Non
 
 
 def is_transient(err: BaseException) -> bool:
-    """Worth retrying: HTTP 5xx / 429, connection resets, timeouts."""
+    """Worth retrying: HTTP 5xx / 429, connection resets, timeouts; never offline mode
+    (huggingface_hub's OfflineModeIsEnabled is a ConnectionError, but it does not pass)."""
+    if "OfflineModeIsEnabled" in {c.__name__ for c in type(err).__mro__}:
+        return False
     response = getattr(err, "response", None)
     status = getattr(response, "status_code", None)
     if isinstance(status, int):
@@ -312,8 +315,13 @@ def push_head(
 ) -> str:
     """Create the repo (if needed), the branch `plan.revision` (if given) and upload the
     planned files in one commit. Returns the commit URL."""
-    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi, constants
 
+    if constants.HF_HUB_OFFLINE:
+        raise PushError(
+            f"HF_HUB_OFFLINE is set, so the Hub is never asked: unset it (or set HF_HUB_OFFLINE=0) "
+            f"to push to {plan.repo_id}"
+        )
     api = api or HfApi(endpoint=endpoint)
     retry = dict(attempts=attempts, base_delay=base_delay, sleep=sleep)
     with_retries(

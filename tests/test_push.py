@@ -180,6 +180,21 @@ def test_push_gives_up_with_a_clear_message(hub, exported, capsys):
         push_head(plan, attempts=3, sleep=lambda s: None)
 
 
+def test_push_with_offline_mode_left_on_fails_at_once_naming_it(hub, exported, monkeypatch, capsys, caplog):
+    """HF_HUB_OFFLINE=1 is not a transient failure: one line naming it, no request and no
+    retry (before: five tries over 30 s, then a line that did not say why)."""
+    import huggingface_hub.constants as constants
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    caplog.set_level(logging.WARNING)
+    assert main(["push", str(exported), "--repo-id", "org/x"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("eyas push: HF_HUB_OFFLINE is set") and "org/x" in err[0]
+    assert hub.requests == [] and "retry" not in caplog.text
+    assert not is_transient(OfflineModeIsEnabled("offline mode is enabled"))
+
+
 def test_invalid_export_is_not_pushed(hub, exported, capsys):
     (exported / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
     assert main(["push", str(exported), "--repo-id", "org/x"]) == 1
