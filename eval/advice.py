@@ -65,11 +65,14 @@ def format_advice(advice: dict) -> str:
             )
         )
     off = advice["speculation_off_from_concurrency"]
-    lines.append(
-        f"  switch speculation off from concurrency {off}"
-        if off is not None
-        else "  speculation pays at every concurrency measured"
-    )
+    if advice["serve"] and not any(pick["drafter"] for pick in advice["serve"].values()):
+        lines.append("  do not speculate: no drafter beats plain decoding at any K and concurrency")
+    else:
+        lines.append(
+            f"  switch speculation off from concurrency {off}"
+            if off is not None
+            else "  speculation pays at every concurrency measured"
+        )
     if advice.get("command_at_lowest_concurrency"):
         lines.append(f"  serve: {advice['command_at_lowest_concurrency']}")
     lines += [f"  warning: {w}" for w in advice["warnings"]]

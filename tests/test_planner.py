@@ -186,3 +186,19 @@ def test_plan_names_a_damaged_report(content, tmp_path):
                 str(tmp_path),
             ]
         )
+
+
+def test_plan_for_a_head_that_never_pays_says_do_not_speculate(tmp_path, capsys):
+    """Acceptance so low that no K pays at any concurrency: no --speculative-config is
+    recommended (before: K=1), the line says do not speculate and why; --json holds null."""
+    flags = ["plan", "--acceptance", "0.05", "--hardware", "H200", "--target-params", "llama-3.1-8b"]
+    assert main([*flags, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "--speculative-config" not in out
+    line = next(x for x in out.splitlines() if x.startswith("do not speculate at concurrency 1:"))
+    assert "nor at any other concurrency planned" in line and "acceptance 0.05" in line
+    assert "do not speculate: no drafter beats plain decoding at any K and concurrency" in out
+    assert main([*flags, "--out", str(tmp_path), "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["speculative_config"] == {"eagle3": None} and body["do_not_speculate"]["eagle3"] == line
+    assert body["recommendation"]["command_at_lowest_concurrency"] is None

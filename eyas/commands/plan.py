@@ -194,6 +194,25 @@ def run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _why_not_speculate(p, serve_at: int) -> str | None:
+    """'do not speculate' with why, when no K is predicted to beat plain decoding at the
+    concurrency served; None when one does."""
+    k = p.best_k[serve_at]
+    if p.speedup[serve_at][k] > 1.0:
+        return None
+    best_c = max(p.concurrency, key=lambda b: p.speedup[b][p.best_k[b]])
+    elsewhere = (
+        " nor at any other concurrency planned"
+        if p.speedup[best_c][p.best_k[best_c]] <= 1.0
+        else f"; concurrency {best_c} would pay ({p.speedup[best_c][p.best_k[best_c]]:.2f}x)"
+    )
+    return (
+        f"do not speculate at concurrency {serve_at}: no K pays there (the best, K={k}, gives "
+        f"{p.speedup[serve_at][k]:.2f}x){elsewhere}; with first-position acceptance {p.acceptance[0]:.2f} "
+        f"the tokens accepted per step do not cover drafting K and verifying K+1 tokens"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from eyas.eval import planner as P
     from eyas.recipe import RunPaths
@@ -233,7 +252,10 @@ def run(args: argparse.Namespace) -> int:
     (out / RunPaths.PLAN).write_text(P.dumps(plans) + "\n")
     serve_at = args.serve_concurrency if args.serve_concurrency in conc else conc[0]
     model = head_dir or str(recipe.paths.export)  # the head the report measured
-    configs = {alg: P.speculative_config(p, serve_at, model) for alg, p in plans.items()}
+    # A plan whose best K does not pay at the concurrency served recommends no drafter.
+    why_not = {alg: reason for alg, p in plans.items() if (reason := _why_not_speculate(p, serve_at))}
+    best = {alg: P.speculative_config(p, serve_at, model) for alg, p in plans.items()}
+    configs = {alg: None if alg in why_not else config for alg, config in best.items()}
     from eyas.core.acceptance import expected_tokens_per_step
     from eyas.eval.advice import advise, format_advice
     from eyas.heads.serving_config import vllm_serve_command
@@ -244,8 +266,7 @@ def run(args: argparse.Namespace) -> int:
     }
     commands = {
         alg: {
-            str(k): vllm_serve_command("<target>", {**configs[alg], "num_speculative_tokens": k})
-            for k in p.ks
+            str(k): vllm_serve_command("<target>", {**best[alg], "num_speculative_tokens": k}) for k in p.ks
         }
         for alg, p in plans.items()
     }
@@ -263,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
                     "acceptance_source": source,
                     "plans": body,
                     "speculative_config": configs,
+                    "do_not_speculate": why_not,
                     "recommendation": advice,
                 },
                 indent=2,
@@ -275,7 +297,10 @@ def run(args: argparse.Namespace) -> int:
         for line in P.assumptions(p):
             print("  " + line)
         print(P.format_plan(p))
-        print(f"--speculative-config '{json.dumps(configs[alg])}'   (best K at concurrency {serve_at})")
+        if alg in why_not:
+            print(why_not[alg])
+        else:
+            print(f"--speculative-config '{json.dumps(configs[alg])}'   (best K at concurrency {serve_at})")
     if len(plans) == 2:
         pe, e3 = plans["peagle"], plans["eagle3"]
         ratio = ", ".join(
