@@ -64,3 +64,34 @@ def fetch_head(name_or_path: str, revision: str | None = None, cache_dir: str | 
                 "`eyas export --check DIR` prints, and pass DIR"
             )
     return path
+
+
+def fetch_verifier_facts(name_or_path: str):
+    """(TargetFacts, None) for the verifier a head names, read from a local directory, the
+    Hugging Face cache or the Hub (its config.json alone); (None, why) when it cannot be
+    read, so `eyas export --check` can say the check was not made instead of passing."""
+    from eyas.heads.head_dir import cached_target_facts, target_facts
+    from eyas.target.load import SMOLLM2_HUB_ID, eyas_cache_dir
+
+    facts = cached_target_facts(name_or_path)
+    if facts is None and name_or_path == SMOLLM2_HUB_ID:  # the shipped copy, once converted
+        facts = cached_target_facts(str(eyas_cache_dir() / "SmolLM2-135M-Instruct"))
+    if facts is not None:
+        return facts, None
+    if Path(name_or_path).expanduser().exists() or not looks_like_hub_id(name_or_path):
+        return None, f"{name_or_path}: no config.json there (not a model directory, nor a Hub id)"
+    from huggingface_hub import hf_hub_download
+
+    try:
+        path = hf_hub_download(name_or_path, "config.json")
+    except Exception as err:  # noqa: BLE001 - offline, missing, gated: all mean "not checked"
+        first = next((x.strip() for x in str(err).splitlines() if x.strip()), "")
+        return None, f"its config.json could not be read from the Hub ({type(err).__name__}: {first[:200]})"
+    import json
+
+    try:
+        return target_facts(
+            json.loads(Path(path).read_text()), f"{name_or_path} (config.json from the Hub)"
+        ), None
+    except (OSError, ValueError, TypeError) as err:
+        return None, f"its config.json from the Hub is not a model config ({err})"

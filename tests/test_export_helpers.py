@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from eyas.heads.algorithms import build_head
@@ -61,3 +63,17 @@ def step_logits(head, seed: int = 1, t: int = 6) -> torch.Tensor:
         hid = head.combine_aux(aux)
         logits, _ = head.forward_step(ids, hid, pos, head.new_cache())
     return logits.float()
+
+
+def verifier_dir(d, **config):
+    """A directory holding the config.json of a verifier that fits `random_head` (8 layers)."""
+    d.mkdir(parents=True, exist_ok=True)
+    fields = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        num_hidden_layers=8,
+        hidden_size=HT,
+        vocab_size=VT,
+    )
+    (d / "config.json").write_text(json.dumps({**fields, **config}))
+    return d

@@ -10,7 +10,7 @@ import pytest
 import torch
 from fake_hub_files import FakeHubFiles
 from safetensors.torch import load_file, save_file
-from test_export_helpers import HT, VT, random_head
+from test_export_helpers import HT, VT, random_head, verifier_dir
 
 from eyas.cli import main
 from eyas.heads.export import ExportFormatError, export_head
@@ -156,6 +156,7 @@ def test_a_head_named_by_hub_id_is_downloaded_checked_and_imported(files_hub, tm
     d = export_head(src, tmp_path / "h")
     (d / "notes.bin").write_bytes(b"x" * 10)  # not a head file: not downloaded
     files_hub.add_dir("org/tiny-head", d)
+    files_hub.add_dir("org/tiny-target", verifier_dir(tmp_path / "verifier"))  # the head's verifier
     local = fetch_head("org/tiny-head")
     assert sorted(p.name for p in local.iterdir()) == ["config.json", "model.safetensors"]
     head = load_any_head(local, target_embed=EMBED)
@@ -164,6 +165,32 @@ def test_a_head_named_by_hub_id_is_downloaded_checked_and_imported(files_hub, tm
     assert "OK" in capsys.readouterr().out
     with pytest.raises(ExportFormatError, match="no such model repo"):
         fetch_head("org/missing")
+
+
+def test_check_of_a_head_whose_verifier_cannot_be_read_says_not_checked(tmp_path, capsys):
+    """The tests run offline: the verifier the head names (org/tiny-target) is neither here
+    nor reachable, so --check says its shapes went unchecked and exits 1 (before: OK, 0);
+    with --target it checks and passes."""
+    d = export_head(random_head(draft_vocab_size=100), tmp_path / "h")
+    assert main(["export", "--check", str(d)]) == 1
+    out = capsys.readouterr()
+    assert "OK" not in out.out
+    assert f"{d}: NOT CHECKED against its verifier: org/tiny-target: " in out.err and "--target" in out.err
+    assert main(["export", "--check", str(d), "--json"]) == 1
+    body = json.loads(capsys.readouterr().out)
+    assert body["ok"] is False and body["problems"] == [] and "org/tiny-target" in body["not_checked"]
+    assert main(["export", "--check", str(d), "--target", str(verifier_dir(tmp_path / "v"))]) == 0
+    assert "OK" in capsys.readouterr().out
+
+
+def test_check_reads_the_verifier_config_from_the_hub_and_names_a_disagreement(files_hub, tmp_path, capsys):
+    d = export_head(random_head(draft_vocab_size=100), tmp_path / "h")
+    files_hub.add_dir("org/tiny-target", verifier_dir(tmp_path / "verifier", hidden_size=2 * HT))
+    assert main(["export", "--check", str(d)]) == 1
+    err = capsys.readouterr().err
+    assert f"target_hidden_size {HT} != the verifier's hidden_size {2 * HT}" in err
+    assert "org/tiny-target (config.json from the Hub)" in err
+    assert any("/org/tiny-target/resolve/" in r and r.endswith("/config.json") for r in files_hub.requests)
 
 
 def test_a_pickle_only_hub_repo_is_refused_by_name(files_hub, tmp_path):

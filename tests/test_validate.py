@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_export_helpers import random_head
+from test_export_helpers import random_head, verifier_dir
 
 from eyas.cli import main
 from eyas.heads.export import export_head
@@ -263,8 +263,9 @@ def test_missing_files_are_named(tmp_path):
 
 def test_cli_check_exits_non_zero_and_lists_problems(tmp_path, capsys):
     d = _export(tmp_path, **EAGLE)
-    assert main(["export", "--check", str(d)]) == 0
+    verifier = str(verifier_dir(tmp_path / "verifier"))
+    assert main(["export", "--check", str(d), "--target", verifier]) == 0
     _edit_tensors(d, lambda t: (t.pop("norm.weight"), t.pop("fc.weight")))
-    assert main(["export", "--check", str(d)]) == 1
+    assert main(["export", "--check", str(d), "--target", verifier]) == 1
     err = capsys.readouterr().err
     assert "missing tensor norm.weight" in err and "missing tensor fc.weight" in err

@@ -78,25 +78,51 @@ def check_target_facts(target: str | None):
 def _check(name: str, target: str | None, as_json: bool) -> int:
     from eyas.heads.export import ExportFormatError
     from eyas.heads.fetch import fetch_head
-    from eyas.heads.validate import inspect_export
 
     try:
         head_dir = str(fetch_head(name))
     except ExportFormatError as err:
-        problems, notes, head_dir = [str(err)], [], name
+        problems, notes, head_dir, unchecked = [str(err)], [], name, None
     else:
-        hd, _ = inspect_export(head_dir, check_target_facts(target))
+        hd, unchecked = _inspect_against_verifier(head_dir, check_target_facts(target))
         problems, notes = hd.problems, hd.notes
+    ok = not problems and unchecked is None
     if as_json:
-        print(json.dumps({"dir": head_dir, "ok": not problems, "problems": problems, "notes": notes}))
-        return 1 if problems else 0
+        print(
+            json.dumps(
+                {"dir": head_dir, "ok": ok, "problems": problems, "notes": notes, "not_checked": unchecked}
+            )
+        )
+        return 0 if ok else 1
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     if problems:
         _print_problems(f"{name}: {len(problems)} problem(s):", problems)
-    else:
+    if unchecked:
+        print(f"{name}: NOT CHECKED against its verifier: {unchecked}", file=sys.stderr)
+    if ok:
         print(f"{name}: OK (matches the serving contract)")
-    return 1 if problems else 0
+    return 0 if ok else 1
+
+
+def _inspect_against_verifier(head_dir: str, facts):
+    """The head read against `facts` (from --target), else against the verifier it names,
+    whose config is fetched from the Hub when it is not on this machine; and, when that
+    verifier could not be read, the line saying why its shapes went unchecked."""
+    from eyas.heads.fetch import fetch_verifier_facts
+    from eyas.heads.validate import inspect_export
+
+    hd, _ = inspect_export(head_dir, facts)
+    verifier = hd.fields.get("verifier")
+    if facts is not None or hd.target is not None or not isinstance(verifier, str) or not verifier:
+        return hd, None
+    facts, why = fetch_verifier_facts(verifier)
+    if facts is None:
+        return hd, (
+            f"{verifier}: {why}; pass --target (the verifier's directory or a cached Hub id), "
+            "or run where the Hub is reachable"
+        )
+    return inspect_export(head_dir, facts)[0], None
 
 
 def _paths(args):
