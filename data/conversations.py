@@ -51,7 +51,7 @@ _UNDECODABLE = re.compile("[\udc80-\udcff]")
 # One JSON string (escapes included), one bracket, or a quote that opens a string the text
 # does not close: enough to find where an element ends.
 _JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}"]')
-LOGGED_BAD_RECORDS = 10  # per file; the drop report counts them all
+LOCATED_DROPS = 10  # per reason: the dropped rows named in the log and in drop_report.json
 
 
 class NoUsableDataError(ValueError):
@@ -70,9 +70,19 @@ class DropReport:
     # Regenerated turns compared with the token ids the serving engine returned, and the
     # mismatches by reason (data/regenerate_server.py); kept, not dropped.
     token_checks: Counter = field(default_factory=Counter)
+    # The first LOCATED_DROPS dropped rows per reason, as "file:line" (JSONL) or
+    # "file[index]" (JSON array, dataset), so a user can open the row that was dropped.
+    dropped_rows: dict[str, list[str]] = field(default_factory=dict)
+    # Where the row a reader yielded last sits (set by the readers, read when it is dropped).
+    row_at: str | None = None
 
-    def drop(self, reason: str, n: int = 1) -> None:
+    def drop(self, reason: str, n: int = 1, where: str | None = None, why: str = "") -> None:
+        """Count `n` rows dropped for `reason`; a located row is named (log and report) while
+        fewer than LOCATED_DROPS of that reason have been."""
         self.dropped[reason] += n
+        if where is not None and len(self.dropped_rows.setdefault(reason, [])) < LOCATED_DROPS:
+            self.dropped_rows[reason].append(where)
+            log.warning("%s: dropped (%s)%s", where, reason, f": {why}" if why else "")
 
     def merge(self, other: DropReport) -> None:
         self.read += other.read
@@ -80,6 +90,9 @@ class DropReport:
         self.dropped.update(other.dropped)
         self.repaired.update(other.repaired)
         self.token_checks.update(other.token_checks)
+        for reason, rows in other.dropped_rows.items():
+            mine = self.dropped_rows.setdefault(reason, [])
+            mine.extend(rows[: LOCATED_DROPS - len(mine)])
 
     def as_dict(self) -> dict:
         return {
@@ -89,6 +102,7 @@ class DropReport:
             "dropped": dict(sorted(self.dropped.items())),
             "repaired": dict(sorted(self.repaired.items())),
             **({"token_checks": dict(sorted(self.token_checks.items()))} if self.token_checks else {}),
+            **({"dropped_rows": dict(sorted(self.dropped_rows.items()))} if self.dropped_rows else {}),
         }
 
     def summary(self) -> str:
@@ -173,22 +187,23 @@ def iter_json_array(path: Path, report: DropReport, chunk_chars: int = 1 << 20) 
                         None if at_end and not eof else (_element_end(buf, pos) if buf[pos] in "[{" else None)
                     )
                     if end is not None:
-                        bad = True
-                        if report.dropped["bad_record"] < LOGGED_BAD_RECORDS:
-                            log.warning("%s: record %d is not valid JSON (%s); skipped", path, index, err.msg)
+                        bad, why = True, f"not valid JSON ({err.msg})"
                         break
                     if not fill():
                         report.read += 1
-                        report.drop("truncated_record")
+                        report.drop(
+                            "truncated_record", where=f"{path}[{index}]", why="the file ends inside it"
+                        )
                         return
                     if len(buf) - pos > 64 * chunk_chars:
                         report.read += 1
-                        report.drop("bad_json")
+                        report.drop("bad_json", where=f"{path}[{index}]", why="its brackets never close")
                         return
+            report.row_at = f"{path}[{index}]"
             pos, index = end, index + 1
             if bad:
                 report.read += 1
-                report.drop("bad_record")
+                report.drop("bad_record", where=report.row_at, why=why)
                 continue
             yield obj
 
@@ -199,13 +214,14 @@ def iter_jsonl(path: Path, report: DropReport) -> Iterator[Any]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            report.row_at = f"{path}:{n}"
             try:
-                yield json.loads(line)
+                row = json.loads(line)
             except json.JSONDecodeError as err:
-                if report.dropped["bad_json"] < LOGGED_BAD_RECORDS:
-                    log.warning("%s: line %d is not valid JSON (%s); skipped", path, n, err.msg)
                 report.read += 1
-                report.drop("bad_json")
+                report.drop("bad_json", where=report.row_at, why=f"not valid JSON ({err.msg})")
+                continue
+            yield row
 
 
 def _text(content: Any) -> str | None:
@@ -327,7 +343,9 @@ def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
             ) from None
     if isinstance(ds, datasets.DatasetDict):
         ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
-    yield from ds
+    for i, row in enumerate(ds):
+        report.row_at = f"{source}[{i}]"
+        yield row
 
 
 def read_conversations(
@@ -345,11 +363,12 @@ def read_conversations(
     if not sources:
         raise NoUsableDataError("no data sources given (set data.sources, e.g. data.sources=[sharegpt])")
     for source in sources:
+        report.row_at = None
         for row in iter_raw_rows(source, report):
             report.read += 1
             conv, reason = normalize_row(row, fmt, bad_encoding, report.repaired)
             if conv is None:
-                report.drop(reason)
+                report.drop(reason, where=report.row_at)
                 continue
             if len(conv) < len(_turns_of(row)):
                 report.repaired["leading_or_trailing_turns_removed"] += 1

@@ -126,12 +126,12 @@ def test_a_malformed_record_in_a_json_array_loses_only_itself(tmp_path, chunk_ch
     rows = list(iter_json_array(path, report, chunk_chars=chunk_chars))
     assert len(rows) == 104 and all(r == GOOD_SHAREGPT for r in rows)
     assert report.dropped == {"bad_record": 3} and report.read == 3
-    # each named by its index in the array
+    # each named by its index in the array, in the log and the report
+    named = [f"{path}[2]", f"{path}[103]", f"{path}[105]"]
+    assert report.dropped_rows == {"bad_record": named}
     assert [
-        r.getMessage().split("record ")[1].split(" ")[0]
-        for r in caplog.records
-        if "not valid JSON" in r.getMessage()
-    ] == ["2", "103", "105"]
+        r.getMessage().split(": dropped")[0] for r in caplog.records if "not valid JSON" in r.getMessage()
+    ] == named
     convs, report = read_conversations([str(path)])
     assert len(convs) == 104 and report.as_dict()["dropped"] == {"bad_record": 3}
 
@@ -188,3 +188,31 @@ def test_an_org_name_source_goes_to_the_hub(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", lambda name, *a, **k: seen.append(name) or [GOOD_OPENAI])
     convs, _ = read_conversations(["someorg/chats"])
     assert seen == ["someorg/chats"] and len(convs) == 1
+
+
+def test_dropped_rows_are_named_by_line_or_index_the_first_few_per_reason(tmp_path, caplog):
+    """Each dropped row is located (JSONL: file:line, JSON array: file[index]) in the log and
+    the report, up to LOCATED_DROPS per reason; the counts still cover every row."""
+    from eyas.data.conversations import LOCATED_DROPS
+
+    empty = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}
+    lines = [GOOD_OPENAI, "{not json", empty, GOOD_SHAREGPT, *[empty] * (LOCATED_DROPS + 5)]
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    array = tmp_path / "rows.json"
+    array.write_text(json.dumps([GOOD_SHAREGPT, {"conversations": [{"from": "robot", "value": "?"}]}]))
+    convs, report = read_conversations([str(jsonl), str(array)])
+    assert len(convs) == 3
+    d = report.as_dict()
+    assert d["dropped"] == {"bad_json": 1, "empty_turn": LOCATED_DROPS + 6, "unknown_role": 1}
+    assert d["dropped_rows"] == {
+        "bad_json": [f"{jsonl}:2"],
+        "empty_turn": [f"{jsonl}:{n}" for n in [3, *range(5, 5 + LOCATED_DROPS - 1)]],
+        "unknown_role": [f"{array}[1]"],
+    }
+    logged = [r.getMessage() for r in caplog.records if ": dropped (" in r.getMessage()]
+    assert (
+        f"{jsonl}:2: dropped (bad_json): not valid JSON (Expecting property name enclosed in double quotes)"
+        in logged
+    )
+    assert f"{array}[1]: dropped (unknown_role)" in logged and len(logged) == 2 + LOCATED_DROPS

@@ -49,6 +49,8 @@ def test_prepare_cli_writes_dataset_freqs_and_drop_report(tiny_llama_dir, tmp_pa
     assert main(["prepare", "--no-progress", *args]) == 0
     report = json.loads((run / "prepared" / "drop_report.json").read_text())
     assert report["dropped"] == {"bad_json": 1, "over_length": 3, "unknown_role": 1}
+    # the rows the reader dropped are named by their line
+    assert report["dropped_rows"] == {"bad_json": [f"{corpus}:32"], "unknown_role": [f"{corpus}:31"]}
     assert report["kept"] == 27 and "over_length" in capsys.readouterr().out
     dd = load_prepared(run / "prepared")
     assert len(dd["train"]) == 24 and len(dd["eval"]) == 3
