@@ -224,6 +224,65 @@ def iter_jsonl(path: Path, report: DropReport) -> Iterator[Any]:
             yield row
 
 
+def _is_row_list(value: Any) -> bool:
+    """A list whose first element looks like a conversation row (ShareGPT or OpenAI)."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and isinstance(value[0], dict)
+        and any(isinstance(value[0].get(k), list) for k in ("conversations", "messages"))
+    )
+
+
+def iter_json_object(path: Path, report: DropReport) -> Iterator[Any]:
+    """A file holding one JSON object (read whole): the rows of the list it wraps, as many
+    exports write them (`{"data": [...]}`; with several such lists, `train`), or the object
+    itself when it is one conversation. A file that does not parse as one value is read as
+    JSONL (its first line is then a bad one); an object wrapping no rows is an error
+    naming its keys."""
+    try:
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
+            obj = json.load(f)
+    except json.JSONDecodeError:
+        yield from iter_jsonl(path, report)
+        return
+    if not isinstance(obj, dict):
+        raise NoUsableDataError(f"{path}: a top-level {type(obj).__name__}, expected a list of conversations")
+    keys = [k for k, v in obj.items() if _is_row_list(v)]
+    if not keys:
+        if normalize_row(obj)[1] != "unrecognized_format":  # one conversation, good or not
+            report.row_at = str(path)
+            yield obj
+            return
+        raise NoUsableDataError(
+            f"{path}: a top-level object, expected a list of conversations "
+            f"(keys: {', '.join(map(str, list(obj)[:20]))})"
+        )
+    key = "train" if "train" in keys else keys[0]
+    if len(keys) > 1 and key != "train":
+        raise NoUsableDataError(
+            f"{path}: a top-level object with several lists of conversations (keys: {', '.join(keys)}); "
+            "write the one to train on as a list of its own"
+        )
+    log.info("%s: a top-level object; reading the %d rows of its %r list", path, len(obj[key]), key)
+    for i, row in enumerate(obj[key]):
+        report.row_at = f"{path}:{key}[{i}]"
+        yield row
+
+
+def _holds_one_object(path: Path) -> bool:
+    """Whether a file starting with `{` is one JSON object (its first line does not parse
+    alone, or it is the only line) rather than JSONL."""
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        lines = (x for x in f if x.strip())
+        first, second = next(lines, ""), next(lines, None)
+    try:
+        json.loads(first)
+    except json.JSONDecodeError:
+        return True
+    return second is None
+
+
 def _text(content: Any) -> str | None:
     """The text of a turn: a string, or an OpenAI content list made only of text parts."""
     if isinstance(content, str):
@@ -317,6 +376,8 @@ def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
             head = f.read(4096).lstrip()
         if head.startswith("["):
             yield from iter_json_array(path, report)
+        elif head.startswith("{") and _holds_one_object(path):
+            yield from iter_json_object(path, report)
         else:
             yield from iter_jsonl(path, report)
         return

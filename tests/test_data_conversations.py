@@ -216,3 +216,40 @@ def test_dropped_rows_are_named_by_line_or_index_the_first_few_per_reason(tmp_pa
         in logged
     )
     assert f"{array}[1]: dropped (unknown_role)" in logged and len(logged) == 2 + LOCATED_DROPS
+
+
+@pytest.mark.parametrize("indent", [2, None])  # pretty-printed over many lines, and on one line
+def test_a_json_object_wrapping_the_rows_is_read_or_named_with_its_keys(tmp_path, indent):
+    """`{"data": [...]}` (as many exports write) yields its rows, located by key and index;
+    an object wrapping no rows is one line naming the file and its keys (before: every line
+    of it a bad_json row, or one unrecognized row)."""
+    wrapped = tmp_path / "wrapped.json"
+    bad = {"conversations": [{"from": "robot", "value": "?"}]}
+    wrapped.write_text(json.dumps({"version": 2, "data": [GOOD_SHAREGPT, GOOD_OPENAI, bad]}, indent=indent))
+    convs, report = read_conversations([str(wrapped)])
+    assert len(convs) == 2 and report.read == 3
+    assert report.dropped_rows == {"unknown_role": [f"{wrapped}:data[2]"]}
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(GOOD_OPENAI, indent=indent))
+    assert len(read_conversations([str(one)])[0]) == 1
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"version": 2, "items": {"a": 1}, "note": "x"}, indent=indent))
+    with pytest.raises(NoUsableDataError) as err:
+        read_conversations([str(other)])
+    assert str(err.value) == (
+        f"{other}: a top-level object, expected a list of conversations (keys: version, items, note)"
+    )
+
+
+def test_prepare_names_a_json_object_it_cannot_read_in_one_line(tmp_path, tiny_llama_dir, capsys):
+    from eyas.cli import main
+
+    path = tmp_path / "export.json"
+    path.write_text(json.dumps({"meta": {"n": 2}, "payload": "x"}, indent=2))
+    args = [f"run_dir={tmp_path / 'run'}", f"target.name_or_path={tiny_llama_dir}", f"data.sources=[{path}]"]
+    assert main(["prepare", "--no-progress", *args]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        f"eyas prepare: {path}: a top-level object, expected a list of conversations (keys: meta, payload)"
+    )
+    assert "Traceback" not in err
