@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from eyas.data.cache import read_manifest, stale_cache_problem
+from eyas.data.cache import read_manifest, stale_cache_problem, verify_cache
 from eyas.data.capture import CaptureError
 
 
 def reused_cache(recipe, splits: Sequence[str], say) -> dict[str, dict]:
-    """The other run's cache, checked (complete, of its prepared data), never
-    written: capturing into another run's directory is that run's recipe's work."""
+    """The other run's cache, checked (complete, of its prepared data, every shard's
+    checksum), never written: capturing into another run's directory is that run's recipe's work."""
     from eyas.data.prepare import load_prepared, read_prepared_meta
 
     prepared, cache = recipe.paths.prepared, recipe.paths.cache
@@ -30,6 +30,12 @@ def reused_cache(recipe, splits: Sequence[str], say) -> dict[str, dict]:
         stale = stale_cache_problem(cache / split, manifest.get("prepared_digest"), digest)
         if stale:
             raise CaptureError(stale)
+        damaged = verify_cache(cache, split)
+        if damaged:  # the other run's capture repairs it; this run never writes there
+            raise CaptureError(
+                f"data.from_run={recipe.data.from_run}: {damaged[0]}; run `eyas capture` with that run's "
+                "recipe to recompute it"
+            )
         manifests[split] = manifest
     say(f"capture: reading the cache of data.from_run={recipe.data.from_run} ({cache}); nothing to capture")
     return manifests

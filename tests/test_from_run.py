@@ -78,3 +78,22 @@ def test_an_incomplete_cache_of_the_other_run_is_refused(source, tmp_path, capsy
     assert main(["capture", "--no-progress", "-r", str(recipe)]) != 0
     err = capsys.readouterr().err
     assert "no complete eval cache" in err and str(origin / "cache" / "eval") in err
+
+
+def test_a_damaged_shard_of_the_other_run_is_named(source, tmp_path, capsys):
+    """Before, `eyas capture` of the reusing run said the other run's cache was fine (exit 0)
+    with a shard whose bytes no longer matched its checksum."""
+    import shutil
+
+    origin = tmp_path / "copy"
+    shutil.copytree(Path(source.run_dir) / "prepared", origin / "prepared")
+    shutil.copytree(Path(source.run_dir) / "cache", origin / "cache")
+    victim = sorted((origin / "cache" / "train").glob("shard-*.safetensors"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    recipe = _reuser(source, tmp_path, origin)
+    assert main(["capture", "--no-progress", "-r", str(recipe)]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"eyas capture: data.from_run={origin}: {victim}: checksum mismatch")
+    assert victim.read_bytes() == bytes(data)  # nothing written there
