@@ -80,12 +80,19 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temporary name, fsync, rename: a kill never leaves a half file under `path`."""
+    """Write to a temporary name, fsync, rename: a kill never leaves a half file under `path`.
+    A failed write (a full disk) removes the half temporary file and names `path`."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if err.filename is None:  # write() and fsync() errors carry no file name
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
     os.replace(tmp, path)
 
 

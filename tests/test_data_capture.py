@@ -227,3 +227,24 @@ def test_rerunning_capture_over_a_damaged_shard_recomputes_it(tmp_path, tiny_lla
     assert json.loads((split_dir / "manifest.json").read_text()) == intact
     assert kept.stat().st_mtime_ns == kept_mtime  # the intact shard was not rewritten
     assert main(["capture", "--verify", "-r", str(path)]) == 0
+
+
+def test_a_full_disk_under_a_cache_write_names_the_file_and_leaves_no_half_file(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from eyas.cli import known_failure
+    from eyas.data.cache import atomic_write
+
+    target = tmp_path / "shard-00003.safetensors"
+    target.write_bytes(b"old")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as err:
+        atomic_write(target, b"new bytes")
+    assert err.value.filename == str(target) and err.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name] and target.read_bytes() == b"old"
+    assert known_failure(err.value).startswith(f"no space left on the device writing {target}")
