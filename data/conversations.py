@@ -73,8 +73,10 @@ class DropReport:
     # The first LOCATED_DROPS dropped rows per reason, as "file:line" (JSONL) or
     # "file[index]" (JSON array, dataset), so a user can open the row that was dropped.
     dropped_rows: dict[str, list[str]] = field(default_factory=dict)
-    # Where the row a reader yielded last sits (set by the readers, read when it is dropped).
+    # Where the row a reader yielded last sits (set by the readers, read when it is dropped),
+    # and where each kept conversation came from, in order (for drops after reading).
     row_at: str | None = None
+    kept_rows: list[str | None] = field(default_factory=list)
 
     def drop(self, reason: str, n: int = 1, where: str | None = None, why: str = "") -> None:
         """Count `n` rows dropped for `reason`; a located row is named (log and report) while
@@ -435,6 +437,7 @@ def read_conversations(
                 report.repaired["leading_or_trailing_turns_removed"] += 1
             out.append(conv)
             report.kept += 1
+            report.kept_rows.append(report.row_at)
             if max_samples is not None and len(out) >= max_samples:
                 return out, report
     if not out:

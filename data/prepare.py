@@ -40,10 +40,12 @@ def render_all(
     report: DropReport,
     progress: bool = True,
     truncate: bool = False,
+    origins: list[str | None] | None = None,
 ) -> tuple[list[list[int]], list[list[int]], list[int]]:
     """Render every conversation -> (input ids, loss masks, index of each rendered
-    conversation in `conversations`). Failures are dropped and counted on `report`; the
-    samples cut to `max_length` (with `truncate`) are counted too."""
+    conversation in `conversations`). Failures are dropped and counted on `report` (named
+    by `origins[i]`, where conversation i was read, when given); the samples cut to
+    `max_length` (with `truncate`) are counted too."""
     from tqdm.auto import tqdm
 
     ids, masks, kept = [], [], []
@@ -52,7 +54,7 @@ def render_all(
             r = render_with_mask(tokenizer, conv, train_on, max_length, truncate=truncate)
         except TemplateError as err:
             report.kept -= 1
-            report.drop(err.reason)
+            report.drop(err.reason, where=origins[i] if origins else None)
             continue
         if r.truncated:
             report.repaired["truncated_to_max_length"] += 1
@@ -73,21 +75,20 @@ def keep_first_turns(conversation: list[dict], max_turns: int) -> list[dict]:
     return out
 
 
-def drop_duplicates(conversations: list[list[dict]], prompts_only: bool) -> tuple[list[list[dict]], int]:
-    """The conversations without those repeating an earlier one -> (kept, number dropped).
-    `prompts_only`: compare only the user and system turns (the replies will be
-    regenerated); otherwise every message. Contents are compared after stripping
-    surrounding whitespace."""
-    seen, kept = set(), []
-    for conv in conversations:
+def duplicate_indices(conversations: list[list[dict]], prompts_only: bool) -> list[int]:
+    """The indices of the conversations repeating an earlier one. `prompts_only`: compare
+    only the user and system turns (the replies will be regenerated); otherwise every
+    message. Contents are compared after stripping surrounding whitespace."""
+    seen, repeats = set(), []
+    for i, conv in enumerate(conversations):
         key = tuple(
             (m["role"], m["content"].strip()) for m in conv if not (prompts_only and m["role"] == "assistant")
         )
         if key in seen:
+            repeats.append(i)
             continue
         seen.add(key)
-        kept.append(conv)
-    return kept, len(conversations) - len(kept)
+    return repeats
 
 
 def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -146,12 +147,13 @@ def prepare(recipe, out_dir: Path | None = None, tokenizer=None, target=None, pr
             log.info("regenerated turns against the server's token ids: %s", dict(report.token_checks))
         # Regeneration ends a conversation before a prompt too long to fit max_length, or
         # at an empty reply; one left with no assistant turn has nothing to train on.
-        empty = sum(not any(m["role"] == "assistant" for m in c) for c in conversations)
-        if empty:
-            report.kept -= empty
-            report.drop("regenerated_nothing_to_train", empty)
+        for i, c in enumerate(conversations):
+            if not any(m["role"] == "assistant" for m in c):
+                report.kept -= 1
+                report.drop("regenerated_nothing_to_train", where=report.kept_rows[i])
         source_index = [i for i, c in enumerate(conversations) if any(m["role"] == "assistant" for m in c)]
         conversations = [conversations[i] for i in source_index]
+        report.kept_rows = [report.kept_rows[i] for i in source_index]
     if tokenizer is None:
         tokenizer = load_tokenizer(
             recipe.target.name_or_path, recipe.target.revision, recipe.target.trust_remote_code
@@ -164,6 +166,7 @@ def prepare(recipe, out_dir: Path | None = None, tokenizer=None, target=None, pr
         report,
         progress,
         truncate=cfg.over_length == "truncate",
+        origins=report.kept_rows,
     )
     (out_dir / RunPaths.DROP_REPORT).write_text(json.dumps(report.as_dict(), indent=1) + "\n")
     log.info("prepared: %s", report.summary())
@@ -232,10 +235,12 @@ def gather_conversations(cfg, max_samples: int | None = None):
     if cfg.max_turns is not None:
         conversations = [keep_first_turns(c, cfg.max_turns) for c in conversations]
     if cfg.dedupe:
-        conversations, repeated = drop_duplicates(conversations, prompts_only=cfg.regenerate.enabled)
-        if repeated:
-            report.kept -= repeated
-            report.drop("duplicate", repeated)
+        repeats = set(duplicate_indices(conversations, prompts_only=cfg.regenerate.enabled))
+        for i in sorted(repeats):
+            report.kept -= 1
+            report.drop("duplicate", where=report.kept_rows[i])
+        conversations = [c for i, c in enumerate(conversations) if i not in repeats]
+        report.kept_rows = [r for i, r in enumerate(report.kept_rows) if i not in repeats]
     return conversations, report
 
 

@@ -50,7 +50,12 @@ def test_prepare_cli_writes_dataset_freqs_and_drop_report(tiny_llama_dir, tmp_pa
     report = json.loads((run / "prepared" / "drop_report.json").read_text())
     assert report["dropped"] == {"bad_json": 1, "over_length": 3, "unknown_role": 1}
     # the rows the reader dropped are named by their line
-    assert report["dropped_rows"] == {"bad_json": [f"{corpus}:32"], "unknown_role": [f"{corpus}:31"]}
+    # every dropped row is named by its line, the over-long ones the renderer dropped too
+    assert report["dropped_rows"] == {
+        "bad_json": [f"{corpus}:32"],
+        "over_length": [f"{corpus}:1", f"{corpus}:11", f"{corpus}:21"],
+        "unknown_role": [f"{corpus}:31"],
+    }
     assert report["kept"] == 27 and "over_length" in capsys.readouterr().out
     dd = load_prepared(run / "prepared")
     assert len(dd["train"]) == 24 and len(dd["eval"]) == 3
@@ -438,16 +443,14 @@ def test_sliding_window_targets_keep_the_masks_transformers_builds(tiny_llama_di
 def test_repeated_conversations_are_dropped_and_counted(tiny_llama_dir, tmp_path):
     """The same prompt twice (with different dataset replies, as ShareGPT repeats
     questions) is regenerated once; without regeneration only exact repeats go."""
-    from eyas.data.prepare import drop_duplicates
+    from eyas.data.prepare import duplicate_indices
 
     def conv(q, a):
         return [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
 
     convs = [conv("hi", "a"), conv("hi ", "b"), conv("other", "a"), conv("hi", "a")]
-    kept, dropped = drop_duplicates(convs, prompts_only=True)
-    assert kept == [convs[0], convs[2]] and dropped == 2
-    kept, dropped = drop_duplicates(convs, prompts_only=False)
-    assert kept == convs[:3] and dropped == 1
+    assert duplicate_indices(convs, prompts_only=True) == [1, 3]
+    assert duplicate_indices(convs, prompts_only=False) == [3]
 
     rows = [
         {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "x"}]}
@@ -471,6 +474,7 @@ def test_repeated_conversations_are_dropped_and_counted(tiny_llama_dir, tmp_path
     assert main(args) == 0
     report = json.loads((run / "prepared" / "drop_report.json").read_text())
     assert report["dropped"].get("duplicate") == 1 and report["read"] == 4
+    assert report["dropped_rows"] == {"duplicate": [f"{corpus}:3"]}  # named by its line
     assert len((run / "prepared" / "regenerated.jsonl").read_text().splitlines()) == 3
     assert main([*args, f"run_dir={tmp_path}/r2", "data.dedupe=false"]) == 0
     assert len((tmp_path / "r2" / "prepared" / "regenerated.jsonl").read_text().splitlines()) == 4
