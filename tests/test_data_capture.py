@@ -198,17 +198,11 @@ def test_rerunning_capture_over_a_damaged_shard_recomputes_it(tmp_path, tiny_lla
     """`eyas capture` again after a shard was damaged: the damaged shard is named and
     recomputed (the intact ones are kept), so --verify passes afterwards; before, the rerun
     called the capture complete and --verify still named the shard."""
-    import yaml
-    from train_run_fixtures import prepare_run
+    from train_run_fixtures import captured_in_shards
 
     from eyas.cli import main
 
-    recipe = prepare_run(tmp_path, tiny_llama_dir, "online", n=12)
-    tree = recipe.model_dump(mode="json")
-    tree["data"].update(features="offline", shard_tokens=200)
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    assert main(["capture", "--no-progress", "-r", str(path)]) == 0
+    recipe, path = captured_in_shards(tmp_path, tiny_llama_dir)
     split_dir = recipe.paths.cache / "train"
     intact = json.loads((split_dir / "manifest.json").read_text())
     assert len(intact["shards"]) >= 2

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import yaml
-from train_run_fixtures import prepare_run, write_conversations
+from train_run_fixtures import captured_in_shards, prepare_run, write_conversations
 
 from eyas.cli import main
 
@@ -166,12 +166,7 @@ def test_a_cache_of_other_prepared_data_is_refused_and_named(tmp_path, tiny_llam
 def test_training_on_a_capture_that_never_finished_is_one_line(tmp_path, tiny_llama_dir, capsys):
     """A killed capture leaves a manifest that is not complete: `eyas train` says so in one
     line naming the cache and `eyas capture` (no traceback); the capture rerun resumes it."""
-    recipe = prepare_run(tmp_path, tiny_llama_dir, "online", n=12, max_steps=2, save_every=0, eval_every=0)
-    tree = recipe.model_dump(mode="json")
-    tree["data"].update(features="offline", shard_tokens=200)
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    assert main(["capture", "--no-progress", "-r", str(path)]) == 0
+    recipe, path = captured_in_shards(tmp_path, tiny_llama_dir, max_steps=2, save_every=0, eval_every=0)
     split_dir = recipe.paths.cache / "train"
     manifest = json.loads((split_dir / "manifest.json").read_text())
     assert len(manifest["shards"]) >= 2

@@ -74,3 +74,20 @@ def prepare_run(tmp: Path, target_dir: Path, features: str = "offline", n: int =
 
         capture(recipe, progress=False)
     return recipe
+
+
+def captured_in_shards(tmp: Path, target_dir: Path, n: int = 12, **train):
+    """A run prepared and captured by `eyas capture` into several small shards (200 tokens
+    each); returns (recipe, path of its recipe file)."""
+    import yaml
+
+    from eyas.cli import main
+    from eyas.recipe import recipe_from_dict
+
+    recipe = prepare_run(tmp, target_dir, "online", n=n, **train)
+    tree = recipe.model_dump(mode="json")
+    tree["data"].update(features="offline", shard_tokens=200)
+    path = tmp / "r.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    assert main(["capture", "--no-progress", "-r", str(path)]) == 0
+    return recipe_from_dict(tree), path
