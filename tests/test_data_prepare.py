@@ -335,6 +335,7 @@ def test_prompts_too_long_to_regenerate_are_counted(tiny_llama_dir, tmp_path):
     )
     report = json.loads((run / "prepared" / "drop_report.json").read_text())
     assert report["dropped"] == {"regenerated_nothing_to_train": 1} and report["kept"] == 3
+    assert report["dropped_rows"] == {"regenerated_nothing_to_train": [f"{corpus}:1"]}
 
 
 def test_capture_skips_online_features_and_missing_eval_split(tiny_llama_dir, tmp_path, capsys):
