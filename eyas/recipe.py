@@ -296,6 +296,18 @@ class Recipe(_Section):
             extra[self.head.algorithm] = self.train.section(self.head.algorithm)
         return self
 
+    @model_validator(mode="after")
+    def _room_for_a_prompt(self) -> Recipe:
+        # Regeneration caps a prompt at max_length - max_new_tokens; with no room left every
+        # conversation would come back empty and prepare would fail after the engine ran.
+        rg, max_length = self.data.regenerate, self.data.max_length
+        if rg.enabled and rg.max_new_tokens >= max_length:
+            raise ValueError(
+                f"data.regenerate.max_new_tokens ({rg.max_new_tokens}) leaves no room for a prompt "
+                f"within data.max_length ({max_length}): raise data.max_length or lower max_new_tokens"
+            )
+        return self
+
     @property
     def paths(self) -> RunPaths:
         return RunPaths(Path(self.run_dir), Path(self.data.from_run) if self.data.from_run else None)
