@@ -21,6 +21,7 @@ STAGES = {
     "push": "upload an exported head to the Hugging Face Hub",
     "eval": "offline speculative-decoding evaluation (tau, per-position acceptance, TAR)",
     "budget": "size a run (conversations read, epochs) to a time budget on this machine",
+    "preflight": "whether a recipe fits its GPUs, per stage and rank, from the target's config alone",
     "plan": "which K to serve, and the concurrency above which speculation stops paying",
     "bench-serve": "serving speed in vLLM: plain, n-gram and each head, per K, concurrency and temperature",
 }
@@ -64,6 +65,8 @@ KNOWN_FAILURES = {
     "eyas.data.cache": ("DamagedShardError", "StaleCacheError"),
     "eyas.data.capture": ("CaptureError",),
     "eyas.target.load": ("TargetLoadError",),
+    "eyas.target.shapes": ("ShapeError",),
+    "eyas.preflight": ("PreflightError",),
     "eyas.data.regenerate_server": ("ServerError",),
     "eyas.core.engine_process": ("EngineError",),
     "eyas.eval.evaluate": ("EvalError",),

@@ -47,6 +47,9 @@ class TargetSection(_Section):
     trust_remote_code: bool = False
     revision: str | None = None
     device: str = "auto"
+    # A quantized checkpoint (MXFP4 GPT-OSS, FP8) whose kernels are missing is refused;
+    # true accepts it dequantized to bf16 (about 4x the experts' memory; preflight sizes it).
+    dequantize: bool = False
 
 
 class RegenerateSection(_Section):
