@@ -69,6 +69,7 @@ KNOWN_FAILURES = {
     "eyas.preflight": ("PreflightError",),
     "eyas.data.regenerate_server": ("ServerError",),
     "eyas.core.engine_process": ("EngineError",),
+    "eyas.core.gpu_holders": ("GpusBusyError",),
     "eyas.eval.evaluate": ("EvalError",),
     "eyas.eval.workloads": ("WorkloadError",),
     "eyas.heads.export": ("ExportFormatError",),
