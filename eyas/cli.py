@@ -66,6 +66,7 @@ KNOWN_FAILURES = {
     "eyas.data.capture": ("CaptureError",),
     "eyas.target.load": ("TargetLoadError",),
     "eyas.target.shapes": ("ShapeError",),
+    "eyas.target.quantized": ("QuantizationError",),
     "eyas.preflight": ("PreflightError",),
     "eyas.data.regenerate_server": ("ServerError",),
     "eyas.core.engine_process": ("EngineError",),

@@ -18,6 +18,7 @@ import torch
 
 from eyas.core.assets import packaged_file
 from eyas.core.precision import resolve_dtype, shapes_of_config
+from eyas.target.quantized import check_still_quantized, quantization_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,11 @@ def eyas_cache_dir() -> Path:
 
 
 def resolve_device(device: str = "auto") -> torch.device:
+    """`auto`: this rank's own GPU (LOCAL_RANK under a launcher), else the CPU."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device(device)
 
 
@@ -244,13 +248,16 @@ def load_target(
     trust_remote_code: bool = False,
     revision: str | None = None,
     work_rows: int = 64,
+    dequantize: bool = False,
 ) -> Target:
     """Load a frozen causal LM and its tokenizer.
 
     `name_or_path`: a Hub id, a local directory, or `smollm2-135m`. `dtype`: `auto`
     (bf16 where it is faster on `device` for this model's multiplies at `work_rows` rows:
     the batch a stage decodes or the tokens it runs at once; see eyas/precision.py),
-    `bfloat16`, `float16`, `float32`.
+    `bfloat16`, `float16`, `float32`. On a GPU the weights load straight onto `device`
+    (`device_map`), never a whole copy on the host per rank. A quantized checkpoint stays
+    quantized (target/quantized.py) unless `dequantize` accepts bf16.
     Returns a `Target` whose model is in eval mode with requires_grad False everywhere.
     """
     from transformers import AutoModelForCausalLM
@@ -261,6 +268,10 @@ def load_target(
     attn = attention_implementation(config, attn_implementation, dev.type)
     log.info("target %s: attention %s on %s", name_or_path, attn, dev)
     chosen = resolve_dtype(dtype, dev, shapes_of_config(config, work_rows) if dtype == "auto" else None)
+    quantized = quantization_kwargs(config, dev.type, dequantize, name_or_path)
+    # Every rank reads its shards straight onto its own GPU: without a device_map each of 8
+    # ranks would first build the whole model in host memory.
+    placed = {"device_map": {"": dev}} if dev.type != "cpu" else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path,
@@ -268,11 +279,15 @@ def load_target(
             attn_implementation=attn,
             revision=revision,
             trust_remote_code=trust_remote_code,
+            **placed,
+            **quantized,
         )
     except OSError as err:
         raise TargetLoadError(_unloadable(name_or_path, "weights", err)) from None
+    check_still_quantized(model, config, dequantize, name_or_path)
     tokenizer = load_tokenizer(name_or_path, revision, trust_remote_code)
-    model.to(dev)
+    if not placed:
+        model.to(dev)
     if dev.type == "cpu":
         prefer_gqa_sdpa_on_cpu()
     # The id a serving config should name: the Hub id when there is one.
@@ -293,6 +308,7 @@ def load_recipe_target(
         section.trust_remote_code,
         section.revision,
         work_rows=work_rows,
+        dequantize=section.dequantize,
     )
 
 
