@@ -174,18 +174,6 @@ def test_records_of_another_prompt_cap_or_reply_length_are_generated_again(tiny_
     )
 
 
-def test_recipe_without_room_for_a_prompt_is_refused_naming_both_keys(tmp_path):
-    from eyas.recipe import RecipeError, load_recipe
-
-    path = tmp_path / "r.yaml"
-    path.write_text("data:\n  max_length: 2048\n  regenerate: {enabled: true, max_new_tokens: 2048}\n")
-    with pytest.raises(RecipeError) as err:
-        load_recipe(path)
-    msg = str(err.value)
-    assert str(path) in msg and "data.regenerate.max_new_tokens" in msg and "data.max_length" in msg
-    assert load_recipe(path, ["data.max_length=4096"]).data.max_length == 4096
-
-
 def test_max_turns_and_prompt_cap_limit_regeneration(tiny_llama_dir, tmp_path):
     from eyas.data.prepare import keep_first_turns
     from eyas.data.regenerate import regenerate
