@@ -105,9 +105,15 @@ def target_shape(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = read_config(name_or_path, revision)
-    cfg = AutoConfig.for_model(**raw)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+    try:
+        cfg = AutoConfig.for_model(**raw)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError) as err:  # a model_type this transformers does not know
+        first = str(err).split(". ")[0][:160]
+        raise ShapeError(
+            f"target {name_or_path!r}: cannot build its {raw['model_type']} config ({first})"
+        ) from None
     total = experts = embed = 0
     for name, p in model.named_parameters():
         total += p.numel()

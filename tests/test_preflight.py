@@ -106,6 +106,11 @@ def test_a_local_config_wins_and_a_missing_one_says_how_to_get_it(tmp_path, tiny
     assert config_file(str(tiny_llama_dir)) == Path(tiny_llama_dir) / "config.json"
     with pytest.raises(ShapeError, match="hf download no-such/model"):
         config_file("no-such/model")
+    from eyas.target.shapes import target_shape
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_arch"}))
+    with pytest.raises(ShapeError, match="cannot build its no_such_arch config"):
+        target_shape(str(tmp_path))
 
 
 def test_train_refuses_before_loading_when_the_gpus_found_are_too_small(monkeypatch, tmp_path, capsys):
