@@ -1,7 +1,8 @@
 """A serving engine started by eyas from a command line (`vllm serve …`, `python -m
 sglang.launch_server …`): run in its own process group with its output in a log file,
 waited for until each base URL answers, stopped by process group at the end, so its
-workers (tensor/data-parallel ranks) go with it.
+workers (tensor/data-parallel ranks) go with it, even when the leader died first; then
+the GPUs it used are checked free before training needs them (core/gpu_holders.py).
 """
 
 from __future__ import annotations
@@ -102,19 +103,54 @@ def launched_engine(
         yield proc
     finally:
         stop_process_group(proc)
+    # after a finished regeneration only: an engine that failed is reported as it failed
+    from eyas.core.gpu_holders import wait_gpus_free
+
+    wait_gpus_free(env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES")))
 
 
 def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM the process's group, SIGKILL it when it has not ended within `grace_s`."""
-    if proc.poll() is not None:
+    """SIGTERM the process's group, SIGKILL what is left of it after `grace_s`. The group is
+    the leader's pid (started with start_new_session), so it is signalled even when the
+    leader has died: its orphaned workers (vLLM's TP/DP ranks) would otherwise keep ~90%
+    of every GPU they hold."""
+    pgid = proc.pid
+    proc.poll()  # reap a dead leader, so only live members are left in the group
+    if not _group_alive(pgid):
         return
+    _signal_group(pgid, signal.SIGTERM)
+    if not _wait_group_gone(proc, pgid, grace_s):
+        log.warning("the engine's process group %d outlived SIGTERM by %.0f s: SIGKILL", pgid, grace_s)
+        _signal_group(pgid, signal.SIGKILL)
+        _wait_group_gone(proc, pgid, grace_s)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
     try:
-        pgid = os.getpgid(proc.pid)
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            proc.wait(timeout=grace_s)
+        os.killpg(pgid, sig)
     except ProcessLookupError:
         pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process is left in group `pgid`."""
+    import psutil
+
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return False
+
+
+def _wait_group_gone(proc: subprocess.Popen, pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        proc.poll()
+        if not _group_alive(pgid):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)

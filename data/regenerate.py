@@ -37,9 +37,13 @@ from eyas.data.templates import prompt_ids
 log = logging.getLogger(__name__)
 
 
-def source_digest(conversation: list[dict]) -> str:
-    """What a reply record was generated from: a digest of the user and system turns."""
+def source_digest(conversation: list[dict], shaping: dict | None = None) -> str:
+    """What a reply record was generated from: a digest of the user and system turns and
+    of the settings that shape the replies (`shaping`: target, backend, lengths including
+    the prompt cap, sampling), so a changed recipe never reuses another recipe's replies."""
     key = [[m["role"], m["content"]] for m in conversation if m["role"] != "assistant"]
+    if shaping:
+        key.append(sorted(shaping.items()))
     return hashlib.sha256(json.dumps(key, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
@@ -156,15 +160,27 @@ def regenerate(
         raise ValueError("the server backend needs its ServerSettings")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    sources = [source_digest(c) for c in conversations]
+    shaping = {
+        "target": target_name,
+        "backend": backend,
+        "max_new_tokens": max_new_tokens,
+        "max_prompt_tokens": max_prompt_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "seed": seed,
+        "server_model": getattr(server, "model", None),
+    }
+    sources = [source_digest(c, shaping) for c in conversations]
     records = done_records(out_path)
     # a record whose source differs came from other data (another max_samples, dedupe,
-    # max_turns): generated again, and the later record wins on the next read
+    # max_turns) or other settings (another prompt cap, reply length, sampling, target):
+    # generated again, and the later record wins on the next read
     done = {i: r for i, r in records.items() if i < len(conversations) and r["source"] == sources[i]}
     stale = sum(1 for i in records if i not in done)
     if stale:
         log.warning(
-            "%s: %d records were generated from other conversations than these; generating them again",
+            "%s: %d records were generated from other conversations or settings than these; "
+            "generating them again",
             out_path,
             stale,
         )

@@ -128,13 +128,16 @@ def load_workload(source: str, max_prompts: int | None = None) -> list[WorkloadP
     return subsample(prompts, max_prompts)
 
 
-def render_turn(tokenizer, prompt: WorkloadPrompt, replies: list[str]) -> list[int]:
+def render_turn(tokenizer, prompt: WorkloadPrompt, replies: list[str | dict]) -> list[int]:
     """Token ids of the conversation up to user turn len(replies), with the target's chat
-    template and its generation prompt; `replies` are the model's own earlier answers."""
+    template and its generation prompt; `replies` are the model's own earlier answers, as
+    text or as assistant messages (`data/reasoning.py::decoded_reply`: the reasoning apart,
+    harmony channels intact)."""
     from eyas.data.templates import prompt_ids
 
     messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
     for i, reply in enumerate(replies):
-        messages += [{"role": "user", "content": prompt.turns[i]}, {"role": "assistant", "content": reply}]
+        said = reply if isinstance(reply, dict) else {"role": "assistant", "content": reply}
+        messages += [{"role": "user", "content": prompt.turns[i]}, said]
     messages.append({"role": "user", "content": prompt.turns[len(replies)]})
     return prompt_ids(tokenizer, messages)

@@ -47,6 +47,9 @@ class TargetSection(_Section):
     trust_remote_code: bool = False
     revision: str | None = None
     device: str = "auto"
+    # A quantized checkpoint (MXFP4 GPT-OSS, FP8) whose kernels are missing is refused;
+    # true accepts it dequantized to bf16 (about 4x the experts' memory; preflight sizes it).
+    dequantize: bool = False
 
 
 class RegenerateSection(_Section):
@@ -294,6 +297,18 @@ class Recipe(_Section):
         if extra is not None and self.head.algorithm not in extra:
             # Written out, so recipe.yaml and the run's settings hold the algorithm's values.
             extra[self.head.algorithm] = self.train.section(self.head.algorithm)
+        return self
+
+    @model_validator(mode="after")
+    def _room_for_a_prompt(self) -> Recipe:
+        # Regeneration caps a prompt at max_length - max_new_tokens; with no room left every
+        # conversation would come back empty and prepare would fail after the engine ran.
+        rg, max_length = self.data.regenerate, self.data.max_length
+        if rg.enabled and rg.max_new_tokens >= max_length:
+            raise ValueError(
+                f"data.regenerate.max_new_tokens ({rg.max_new_tokens}) leaves no room for a prompt "
+                f"within data.max_length ({max_length}): raise data.max_length or lower max_new_tokens"
+            )
         return self
 
     @property

@@ -18,6 +18,7 @@ import torch
 
 from eyas.core.assets import packaged_file
 from eyas.core.precision import resolve_dtype, shapes_of_config
+from eyas.target.quantized import check_still_quantized, quantization_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -39,22 +40,45 @@ def eyas_cache_dir() -> Path:
 
 
 def resolve_device(device: str = "auto") -> torch.device:
+    """`auto`: this rank's own GPU (LOCAL_RANK under a launcher), else the CPU."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device(device)
 
 
-def attention_implementation(config, requested: str | None = None) -> str:
-    """Pick the attention kernel for a target: the requested one, else SDPA where the
-    architecture's transformers class supports it, else eager.
-
-    GPT-OSS is the eager case on every device: its attention sinks have no SDPA path in
-    transformers (its class refuses `sdpa` outright, on a GPU too). On a GPU node
-    `target.attn_implementation=flex_attention` runs them fused.
+def attention_implementation(config, requested: str | None = None, device_type: str = "cpu") -> str:
+    """Pick the attention kernel for a target on a device: the requested one, else SDPA
+    where the architecture's transformers class supports it, else a fused kernel that
+    keeps its attention sinks on a GPU (GPT-OSS: flex attention, whose transformers
+    integration renormalises by the sinks), else eager. Eager materialises every
+    [heads, T, T] score (about 8.6 GB a layer at 4 x 4096 tokens for GPT-OSS), so on a GPU
+    it is the last resort; on a CPU it is GPT-OSS's only path (flex refuses sinks there).
     """
     if requested:
         return requested
-    return "sdpa" if _supports_sdpa(config) else "eager"
+    if _supports_sdpa(config):
+        return "sdpa"
+    if device_type == "cuda" and _supports_flex_with_sinks(config):
+        return "flex_attention"
+    return "eager"
+
+
+def _supports_flex_with_sinks(config) -> bool:
+    import inspect
+
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import flex_attention
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return False
+    return (
+        bool(getattr(cls, "_supports_flex_attn", False))
+        and "s_aux" in inspect.signature(flex_attention.flex_attention_forward).parameters
+    )
 
 
 GQA_SDPA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
@@ -224,13 +248,16 @@ def load_target(
     trust_remote_code: bool = False,
     revision: str | None = None,
     work_rows: int = 64,
+    dequantize: bool = False,
 ) -> Target:
     """Load a frozen causal LM and its tokenizer.
 
     `name_or_path`: a Hub id, a local directory, or `smollm2-135m`. `dtype`: `auto`
     (bf16 where it is faster on `device` for this model's multiplies at `work_rows` rows:
     the batch a stage decodes or the tokens it runs at once; see eyas/precision.py),
-    `bfloat16`, `float16`, `float32`.
+    `bfloat16`, `float16`, `float32`. On a GPU the weights load straight onto `device`
+    (`device_map`), never a whole copy on the host per rank. A quantized checkpoint stays
+    quantized (target/quantized.py) unless `dequantize` accepts bf16.
     Returns a `Target` whose model is in eval mode with requires_grad False everywhere.
     """
     from transformers import AutoModelForCausalLM
@@ -238,8 +265,13 @@ def load_target(
     path = resolve_target_path(name_or_path)
     dev = resolve_device(device)
     config = load_target_config(name_or_path, revision, trust_remote_code)
-    attn = attention_implementation(config, attn_implementation)
+    attn = attention_implementation(config, attn_implementation, dev.type)
+    log.info("target %s: attention %s on %s", name_or_path, attn, dev)
     chosen = resolve_dtype(dtype, dev, shapes_of_config(config, work_rows) if dtype == "auto" else None)
+    quantized = quantization_kwargs(config, dev.type, dequantize, name_or_path)
+    # Every rank reads its shards straight onto its own GPU: without a device_map each of 8
+    # ranks would first build the whole model in host memory.
+    placed = {"device_map": {"": dev}} if dev.type != "cpu" else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path,
@@ -247,11 +279,15 @@ def load_target(
             attn_implementation=attn,
             revision=revision,
             trust_remote_code=trust_remote_code,
+            **placed,
+            **quantized,
         )
     except OSError as err:
         raise TargetLoadError(_unloadable(name_or_path, "weights", err)) from None
+    check_still_quantized(model, config, dequantize, name_or_path)
     tokenizer = load_tokenizer(name_or_path, revision, trust_remote_code)
-    model.to(dev)
+    if not placed:
+        model.to(dev)
     if dev.type == "cpu":
         prefer_gqa_sdpa_on_cpu()
     # The id a serving config should name: the Hub id when there is one.
@@ -272,6 +308,7 @@ def load_recipe_target(
         section.trust_remote_code,
         section.revision,
         work_rows=work_rows,
+        dequantize=section.dequantize,
     )
 
 

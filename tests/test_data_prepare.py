@@ -153,6 +153,34 @@ def test_regeneration_turn_by_turn_and_resume(tiny_llama_dir, tmp_path):
     assert again == fresh and again[0] == full[1]
 
 
+def test_records_of_another_prompt_cap_or_reply_length_are_generated_again(tiny_llama_dir, tmp_path):
+    from eyas.data.regenerate import regenerate
+    from eyas.target.load import load_target
+
+    target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    convs = [
+        [{"role": "user", "content": f"question {k}"}, {"role": "assistant", "content": "old"}]
+        for k in range(3)
+    ]
+    out = tmp_path / "regen.jsonl"
+    kw = dict(model=target.model, batch_size=3, max_new_tokens=4, progress=False)
+    # A recipe whose prompt cap left no room: every conversation ends before its first reply.
+    assert regenerate(convs, target.tokenizer, out, max_prompt_tokens=1, **kw) == [[], [], []]
+    # The fixed recipe must not reuse those empty records.
+    fixed = regenerate(convs, target.tokenizer, out, max_prompt_tokens=100, **kw)
+    assert all(c and c[-1]["role"] == "assistant" for c in fixed)
+    assert fixed == regenerate(convs, target.tokenizer, tmp_path / "fresh.jsonl", max_prompt_tokens=100, **kw)
+    # Another reply length is another record too.
+    longer = regenerate(convs, target.tokenizer, out, max_prompt_tokens=100, **{**kw, "max_new_tokens": 8})
+    assert longer == regenerate(
+        convs,
+        target.tokenizer,
+        tmp_path / "fresh8.jsonl",
+        max_prompt_tokens=100,
+        **{**kw, "max_new_tokens": 8},
+    )
+
+
 def test_max_turns_and_prompt_cap_limit_regeneration(tiny_llama_dir, tmp_path):
     from eyas.data.prepare import keep_first_turns
     from eyas.data.regenerate import regenerate

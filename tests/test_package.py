@@ -100,6 +100,16 @@ def test_every_recipe_parses(path):
     assert isinstance(recipe, Recipe)
 
 
+def test_recipe_without_room_for_a_prompt_is_refused_naming_both_keys(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("data:\n  max_length: 2048\n  regenerate: {enabled: true, max_new_tokens: 2048}\n")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    msg = str(err.value)
+    assert str(path) in msg and "data.regenerate.max_new_tokens" in msg and "data.max_length" in msg
+    assert load_recipe(path, ["data.max_length=4096"]).data.max_length == 4096
+
+
 def test_unknown_key_names_key_and_file(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("train:\n  learning_rat: 1e-4\n")

@@ -1,6 +1,7 @@
 """Every shipped recipe, end to end at tiny scale: the recipe unchanged but for its target
 (a tiny random model of the same architecture class, with the family's real tokenizer and
-chat template where one can be had offline), the data size and the step count. prepare
+chat template where one can be had offline), the data size, the reply lengths and the step
+count; its own max_length, prompt cap and batch_tokens are kept. prepare
 (server regeneration against a fake OpenAI-compatible server backed by the tiny model,
 for the recipes that use the server backend) -> capture or online features -> 3 training
 steps -> export -> export --check -> eval on 2 prompts.
@@ -98,8 +99,9 @@ def _tiny_recipe_data(
         f"data.sources=[{_corpus(tmp_path / 'c.jsonl', n)}]",
         f"data.max_samples={n}",
         "data.eval_fraction=0.2",
+        # the recipe's own data.max_length; its replies cut to 12 tokens (a tiny random
+        # model rarely stops on its own, and thousands of decoded tokens would cost minutes)
         "data.regenerate.max_new_tokens=12",
-        "data.max_length=1024",
         "data.aux_layer_ids=null",
         "train.max_steps=3",
         "train.warmup_steps=1",
@@ -137,6 +139,22 @@ def _tiny_recipe_data(
             assert main([stage, "--no-progress", "-r", str(recipe_path), *overrides]) == 0, stage
         assert not (run / "prepared").exists() and not (run / "cache").exists()
     return recipe_path, overrides
+
+
+def test_every_regenerating_recipe_leaves_its_prompts_room():
+    """The recipe's own lengths (which the tiny runs cut): a regenerated turn's prompt may
+    take max_length - max_new_tokens tokens; gpt-oss-120b-eagle3 once left 1, so every
+    conversation came back empty. A GPU recipe regenerates at least 8,192 new tokens, room
+    for GPT-OSS's reasoning to finish."""
+    for name in RECIPES:
+        d = load_recipe(ROOT / "recipes" / name).data
+        if not d.regenerate.enabled:
+            continue
+        assert d.max_length - d.regenerate.max_new_tokens >= 128, name
+        if not name.startswith("smollm2"):
+            assert (
+                d.regenerate.max_new_tokens >= 8192 and d.max_length - d.regenerate.max_new_tokens >= 4096
+            ), name
 
 
 def _export_check_eval(recipe_path: Path, overrides: list[str], run: Path) -> None:

@@ -23,14 +23,19 @@ def test_tiny_target_loads_frozen_and_exposes_hidden_states(tiny_target_dir):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gpt_oss"])
 def test_attention_is_one_the_architecture_accepts(family):
-    """GPT-OSS's class refuses SDPA on every device (a GPU included): eager there, SDPA for
-    the others; the model builds with the choice, and an explicit request wins."""
+    """GPT-OSS's class refuses SDPA on every device (a GPU included): eager on a CPU, flex
+    attention on a GPU, SDPA for the others; the model builds with the choice, and an
+    explicit request wins."""
     from tiny_targets import tiny_config
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(family)
     chosen = attention_implementation(cfg)
     assert chosen == ("eager" if family == "gpt_oss" else "sdpa")
+    # on a GPU, GPT-OSS's sinks run fused (flex attention renormalises by them), never eager
+    assert attention_implementation(cfg, None, "cuda") == (
+        "flex_attention" if family == "gpt_oss" else "sdpa"
+    )
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=chosen)
     assert model.config._attn_implementation == chosen
     assert attention_implementation(cfg, "flex_attention") == "flex_attention"

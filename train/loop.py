@@ -209,18 +209,9 @@ def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool = Tru
 
 
 def _load_target(recipe, device):
-    from eyas.target.load import load_target
+    from eyas.target.load import load_recipe_target
 
-    t = recipe.target
-    return load_target(
-        t.name_or_path,
-        t.dtype,
-        str(device),
-        t.attn_implementation,
-        t.trust_remote_code,
-        t.revision,
-        work_rows=recipe.train.batch_tokens,
-    )
+    return load_recipe_target(recipe.target, work_rows=recipe.train.batch_tokens, device=str(device))
 
 
 def _build_head(recipe, target, device):

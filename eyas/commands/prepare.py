@@ -27,6 +27,11 @@ from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_recipe_arguments(parser)
+    parser.add_argument(
+        "--no-preflight",
+        action="store_true",
+        help="skip the check that the recipe fits the GPUs found here (eyas preflight)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
@@ -35,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
     from eyas.data.prepare import prepare
 
     recipe = load_recipe_from_args(args, writes="prepare")
+    if not args.no_preflight:
+        from eyas.preflight_check import check_stage
+
+        check_stage(recipe, "regenerate", args.recipe or "")
     try:
         meta = prepare(recipe, progress=not args.no_progress)
     except (NoUsableDataError, FileNotFoundError) as err:
