@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eyas.eval.engine_check import describe, sampled_decoding_check
 from eyas.heads.serving_config import vllm_serve_command
 from eyas.recipe import RunPaths
 
@@ -77,7 +78,14 @@ def build_report(s: BenchSettings, points: list[dict]) -> dict:
                         entry["identical"] += same
                         entry["compared"] += len(plain["output_sha1"])
         speedup_by_t[f"{t:g}"] = table
-    greedy = f"{0.0:g}" if 0.0 in s.temperatures else f"{s.temperatures[0]:g}"
+    check = sampled_decoding_check(points) if any(t > 0 for t in s.temperatures) else None
+    untrusted = check is not None and check["passed"] is False
+    for p in points:
+        if untrusted and p["temperature"] > 0 and p["kind"] != "plain":
+            p["unreliable"] = True
+    trusted = [t for t in s.temperatures if t <= 0 or not untrusted]
+    # the recommendation holds at the greedy temperature, else at the first one trusted
+    greedy = f"{0.0:g}" if 0.0 in trusted else (f"{trusted[0]:g}" if trusted else None)
     at_greedy = [p for p in points if f"{p['temperature']:g}" == greedy and p["tar"] is not None]
     tars = {
         d.name: statistics.fmean(p["tar"] for p in at_greedy if p["drafter"] == d.name)
@@ -88,6 +96,10 @@ def build_report(s: BenchSettings, points: list[dict]) -> dict:
         d.name: {str(k): vllm_serve_command(s.target, d.speculative_config(k)) for k in s.ks}
         for d in spec_drafters
     }
+    recommendation = advise(speedup_by_t.get(greedy, {}), tars, commands)
+    recommendation["temperature"] = float(greedy) if greedy is not None else None
+    if untrusted:
+        recommendation["warnings"].append(describe(check))
     return {
         "kind": "eyas bench-serve",
         "version": 1,
@@ -109,10 +121,11 @@ def build_report(s: BenchSettings, points: list[dict]) -> dict:
             key=lambda p: (p["drafter"], p["k"] or 0, p["temperature"], p["concurrency"]),
         ),
         "speedup": speedup_by_t.get(greedy, {}),
-        "speedup_temperature": float(greedy),
+        "speedup_temperature": float(greedy) if greedy is not None else None,
         "speedup_by_temperature": speedup_by_t,
         "lossless": lossless,
-        "recommendation": advise(speedup_by_t.get(greedy, {}), tars, commands),
+        "sampled_decoding_check": check,
+        "recommendation": recommendation,
     }
 
 
@@ -129,10 +142,20 @@ def format_report(report: dict) -> str:
             for p in report["points"]
             if p["temperature"] == t
         }
-        rows = [["drafter", "K", *[f"c={c}" for c in conc], "tok/fwd", "TAR", "lossless"]]
+        rows = [
+            ["drafter", "K", *[f"c={c}" for c in conc], "tok/fwd", "TAR", "accepted per position", "lossless"]
+        ]
         plain = [pts.get(("plain", None, c)) for c in conc]
         rows.append(
-            ["plain", "-", *[f"{p['output_tok_s']:.1f} t/s" if p else "-" for p in plain], "1.00", "-", "-"]
+            [
+                "plain",
+                "-",
+                *[f"{p['output_tok_s']:.1f} t/s" if p else "-" for p in plain],
+                "1.00",
+                "-",
+                "-",
+                "-",
+            ]
         )
         table = report["speedup_by_temperature"].get(f"{t:g}", {})
         for name, by_k in table.items():
@@ -146,20 +169,38 @@ def format_report(report: dict) -> str:
                         *[f"{by_c[c]:.2f}x" if c in by_c else "-" for c in conc],
                         f"{first['tokens_per_forward']:.2f}" if first else "-",
                         f"{first['tar']:.0%}" if first and first["tar"] is not None else "-",
+                        "/".join(f"{a:.0%}" for a in first.get("per_position_acceptance") or [])
+                        if first
+                        else "-",
                         f"{ll['identical']}/{ll['compared']}" if ll else "-",
                     ]
                 )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines.append(
             f"temperature {t:g} (speedup = output tokens/s over plain at the same concurrency; "
-            f"tok/fwd and TAR at c={conc[0]})"
+            f"tok/fwd, TAR and acceptance per position at c={conc[0]})"
+            + (" UNRELIABLE: the engine failed the sampled-decoding check" if unreliable(report, t) else "")
         )
         lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
         lines.append("")
     from eyas.eval.advice import format_advice
 
+    if report.get("sampled_decoding_check"):
+        lines.append(describe(report["sampled_decoding_check"]))
+    rec_t = report["recommendation"].get("temperature")
+    lines.append(
+        f"(recommendation measured at temperature {rec_t:g})"
+        if rec_t is not None
+        else "(no trusted temperature)"
+    )
     lines.append(format_advice(report["recommendation"]))
     return "\n".join(lines)
+
+
+def unreliable(report: dict, temperature) -> bool:
+    """Whether the engine failed the sampled-decoding check and `temperature` is sampled."""
+    check = report.get("sampled_decoding_check") or {}
+    return check.get("passed") is False and float(temperature) > 0
 
 
 def repeat_spread(report: dict, drafter: str, k: str, temperature: str, concurrency: str):
@@ -223,7 +264,13 @@ def plot_speedup(report: dict, path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
         ax.set_ylabel("output tokens/s over plain")
-        ax.set_title(f"temperature {t}")
+        bad = unreliable(report, t)
+        if bad:
+            for line in ax.get_lines():
+                line.set_alpha(0.35)
+        ax.set_title(
+            f"temperature {t}" + ("\nUNRELIABLE: engine failed eyas's sampled-decoding check" if bad else "")
+        )
         ax.legend(fontsize=7, bbox_to_anchor=(1.02, 1), loc="upper left")
     fig.suptitle(
         f"vLLM, {Path(report['target']['path']).name}, {report['workload']['source']} "

