@@ -86,12 +86,13 @@ def build_report(s: BenchSettings, points: list[dict]) -> dict:
     trusted = [t for t in s.temperatures if t <= 0 or not untrusted]
     # the recommendation holds at the greedy temperature, else at the first one trusted
     greedy = f"{0.0:g}" if 0.0 in trusted else (f"{trusted[0]:g}" if trusted else None)
-    at_greedy = [p for p in points if f"{p['temperature']:g}" == greedy and p["tar"] is not None]
-    tars = {
-        d.name: statistics.fmean(p["tar"] for p in at_greedy if p["drafter"] == d.name)
-        for d in spec_drafters
-        if any(p["drafter"] == d.name for p in at_greedy)
-    }
+    # TAR per K at the lowest concurrency: the alarm judges each K on its own (it falls as K grows)
+    tars = {}
+    for d in spec_drafters:
+        for k in s.ks:
+            p = by_key.get(point_key(d.name, k, float(greedy), s.concurrency[0])) if greedy else None
+            if p and p["tar"] is not None:
+                tars.setdefault(d.name, {})[str(k)] = p["tar"]
     commands = {
         d.name: {str(k): vllm_serve_command(s.target, d.speculative_config(k)) for k in s.ks}
         for d in spec_drafters

@@ -328,7 +328,7 @@ def test_sampled_levels_of_an_engine_that_never_accepts_deeper_are_marked_unreli
     assert report["recommendation"]["temperature"] == 0.0
     assert any("UNRELIABLE" in w for w in report["recommendation"]["warnings"])
     text = B.format_report(report)
-    assert "UNRELIABLE: the engine failed" in text and text.count("UNRELIABLE") == 3
+    assert "acceptance per position at c=1) UNRELIABLE" in text and text.count("UNRELIABLE") == 3
 
 
 def test_sampled_decoding_check_passes_deeper_acceptance_and_waits_for_evidence():
@@ -368,3 +368,16 @@ def test_recorded_vllm_cpu_bench_fails_the_sampled_decoding_check():
         [{**p, "temperature": 0.7} for p in recorded["points"] if p["temperature"] == 0]
     )
     assert greedy["passed"] is True  # the same levels' greedy counts would pass
+
+
+def test_tar_alarm_names_the_k_it_judged_and_the_k_to_serve():
+    """TAR falls as K grows: a head at ~1.8 tokens per forward shows 27% at K = 3 and 16%
+    at K = 5. The alarm says which K it judged and that K = 3 is the one to serve."""
+    table = {"h": {"3": {"1": 1.4, "8": 1.0}, "5": {"1": 1.3, "8": 0.9}}, "n": {"3": {"1": 1.1}}}
+    rec = advise(table, {"h": {"3": 0.27, "5": 0.16}, "n": {"3": 0.8}})
+    assert len(rec["warnings"]) == 2
+    at3, at5 = rec["warnings"]
+    assert at3.startswith("h: TAR 27% at K=3 < 30%") and "K=3 is also its fastest K at concurrency 1" in at3
+    assert at5.startswith("h: TAR 16% at K=5 < 30%") and "serve h at K=3 instead" in at5 and "TAR 27%" in at5
+    # `eyas plan` passes one TAR, at the K it serves: the alarm names that K
+    assert advise(table, {"h": 0.2})["warnings"][0].startswith("h: TAR 20% at K=3")
