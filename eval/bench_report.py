@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eyas.eval.engine_check import describe, sampled_decoding_check
+from eyas.eval.request_metrics import NOT_OFFERED
 from eyas.heads.serving_config import vllm_serve_command
 from eyas.recipe import RunPaths
 
@@ -126,8 +127,17 @@ def build_report(s: BenchSettings, points: list[dict]) -> dict:
         "speedup_by_temperature": speedup_by_t,
         "lossless": lossless,
         "sampled_decoding_check": check,
+        "per_request_metrics": per_request_status(points),
         "recommendation": recommendation,
     }
+
+
+def per_request_status(points: list[dict]) -> str | None:
+    """Whether the engine reported acceptance per request (eval/request_metrics.py)."""
+    spec = [p for p in points if p["kind"] != "plain"]
+    if not spec:
+        return None
+    return "recorded" if any(p.get("per_request") for p in spec) else NOT_OFFERED
 
 
 # --- what a person reads ----------------------------------------------------------------
@@ -188,6 +198,7 @@ def format_report(report: dict) -> str:
 
     if report.get("sampled_decoding_check"):
         lines.append(describe(report["sampled_decoding_check"]))
+    lines += per_request_lines(report)
     rec_t = report["recommendation"].get("temperature")
     lines.append(
         f"(recommendation measured at temperature {rec_t:g})"
@@ -196,6 +207,29 @@ def format_report(report: dict) -> str:
     )
     lines.append(format_advice(report["recommendation"]))
     return "\n".join(lines)
+
+
+def per_request_lines(report: dict) -> list[str]:
+    """Accepted drafts per step by prompt length, per drafter and K at the lowest
+    concurrency and the recommendation's temperature, or why there are none."""
+    status = report.get("per_request_metrics")
+    if status is None:
+        return []
+    if status != "recorded":
+        return [f"per-request acceptance: {status}"]
+    t, c = report["recommendation"].get("temperature"), report["concurrency"][0]
+    if t is None:
+        return ["per-request acceptance: recorded (no trusted temperature to show it at)"]
+    lines = [f"per-request acceptance by prompt length (c={c}, temperature {t:g}; accepted drafts per step):"]
+    for p in report["points"]:
+        if p["temperature"] == t and p["concurrency"] == c and p.get("by_prompt_length"):
+            groups = ", ".join(
+                f"{g['prompt_tokens'][0]}-{g['prompt_tokens'][1]} tokens: {g['accepted_per_step']:.2f}"
+                for g in p["by_prompt_length"]
+                if g["accepted_per_step"] is not None
+            )
+            lines.append(f"  {p['drafter']} K={p['k']}: {groups}")
+    return lines
 
 
 def unreliable(report: dict, temperature) -> bool:

@@ -93,6 +93,10 @@ def test_bench_measures_every_drafter_k_and_concurrency(fake_engine, tmp_path):
     assert report["speedup"]["ngram"]["4"]["1"] > 1.0  # fewer, barely dearer steps
     assert report["lossless"]["pe"]["2"] == {"identical": 12, "compared": 12}
     assert set(report["speedup_by_temperature"]) == {"0", "0.7"}
+    # the engine offers per-request metrics: one record per request, summing to the global counters
+    assert "--per-request-spec-decode-metrics" in starts[-1] and report["per_request_metrics"] == "recorded"
+    assert len(e3["per_request"]) == 6 and sum(r["accepted"] for r in e3["per_request"]) == e3["accepted"]
+    assert sum(g["requests"] for g in e3["by_prompt_length"]) == 6
     rec = report["recommendation"]
     assert rec["serve"]["1"]["drafter"] in {"ngram", "e3", "pe"}
     assert rec["command_at_lowest_concurrency"].startswith("vllm serve ")
@@ -381,3 +385,16 @@ def test_tar_alarm_names_the_k_it_judged_and_the_k_to_serve():
     assert at5.startswith("h: TAR 16% at K=5 < 30%") and "serve h at K=3 instead" in at5 and "TAR 27%" in at5
     # `eyas plan` passes one TAR, at the K it serves: the alarm names that K
     assert advise(table, {"h": 0.2})["warnings"][0].startswith("h: TAR 20% at K=3")
+
+
+def test_an_engine_without_per_request_metrics_is_named_in_the_report(fake_engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_NO_PER_REQUEST", "1")
+    s = _settings(
+        tmp_path, drafters=_settings(tmp_path).drafters[:2], ks=[2], concurrency=[1], temperatures=[0.0]
+    )
+    report = B.run_bench(s, tmp_path / "out", progress=False)
+    starts = [json.loads(line) for line in fake_engine.read_text().splitlines()]
+    assert not any("--per-request-spec-decode-metrics" in argv for argv in starts)
+    assert not any("per_request" in p for p in report["points"])
+    assert report["per_request_metrics"].startswith("not offered by this engine")
+    assert "per-request acceptance: not offered by this engine" in B.format_report(report)
