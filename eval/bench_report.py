@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eyas.eval.engine_check import describe, sampled_decoding_check
+from eyas.eval.offline_match import side_by_side
 from eyas.eval.request_metrics import NOT_OFFERED
 from eyas.heads.serving_config import vllm_serve_command
 from eyas.recipe import RunPaths
@@ -50,9 +51,10 @@ def target_summary(target: str) -> dict:
     return json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
 
 
-def build_report(s: BenchSettings, points: list[dict]) -> dict:
+def build_report(s: BenchSettings, points: list[dict], offline: list[dict] | None = None) -> dict:
     """Points (every repeat of every level) -> the report: one median point per level, the
-    speedup table, the lossless check and the recommendation."""
+    speedup table, the lossless check and the recommendation; with `offline` (eyas's τ on
+    the same prompts, eval/offline_match.py), τ beside the engine's tokens per forward."""
     from eyas.eval.advice import advise
 
     points = median_levels(points)
@@ -128,6 +130,7 @@ def build_report(s: BenchSettings, points: list[dict]) -> dict:
         "lossless": lossless,
         "sampled_decoding_check": check,
         "per_request_metrics": per_request_status(points),
+        "offline_vs_served": side_by_side(offline, points, s.concurrency[0]) if offline else None,
         "recommendation": recommendation,
     }
 
@@ -199,6 +202,7 @@ def format_report(report: dict) -> str:
     if report.get("sampled_decoding_check"):
         lines.append(describe(report["sampled_decoding_check"]))
     lines += per_request_lines(report)
+    lines += offline_lines(report)
     rec_t = report["recommendation"].get("temperature")
     lines.append(
         f"(recommendation measured at temperature {rec_t:g})"
@@ -207,6 +211,25 @@ def format_report(report: dict) -> str:
     )
     lines.append(format_advice(report["recommendation"]))
     return "\n".join(lines)
+
+
+def offline_lines(report: dict) -> list[str]:
+    """eyas's offline τ beside the engine's tokens per forward, per drafter, K, T and dtype."""
+    rows = report.get("offline_vs_served")
+    if not rows:
+        return []
+    c = report["concurrency"][0]
+    lines = [f"offline tau (eyas, the same prompts and budget) vs served tokens per forward (c={c}):"]
+    for e in rows:
+        band = f" [{e['interval'][0]:.2f}, {e['interval'][1]:.2f}]" if e.get("interval") else ""
+        served = e["served_tokens_per_forward"]
+        lines.append(
+            f"  {e['drafter']} K={e['k']} T={e['temperature']:g} {e['dtype']}: "
+            f"tau {e['tau']:.2f}{band}, served "
+            + (f"{served:.2f} ({served / e['tau'] - 1:+.1%})" if served else "-")
+            + (" UNRELIABLE" if unreliable(report, e["temperature"]) else "")
+        )
+    return lines
 
 
 def per_request_lines(report: dict) -> list[str]:

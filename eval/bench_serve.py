@@ -115,6 +115,7 @@ class BenchSettings:
     request_timeout_s: float = 1800.0
     seed: int = 0
     repeats: int = 1  # runs of each level; not in the fingerprint, so more can be added later
+    offline_eval: bool = False  # also eyas's offline τ on the same prompts (eval/offline_match.py)
 
     def fingerprint(self) -> str:
         """What makes two measurements comparable; points of another setting are not reused."""
@@ -381,7 +382,32 @@ def run_bench(s: BenchSettings, out_dir: Path, progress: bool = True) -> dict:
                 done[point_key(drafter.name, k, temperature, conc, repeat)] = point
             bar.close()
     wanted = {point_key(d.name, k, t, c, r) for d, k in engine_plan(s) for r, t, c in levels}
-    report = build_report(s, [p for key, p in done.items() if key in wanted])
+    offline = offline_results(s, out_dir) if s.offline_eval else None
+    report = build_report(s, [p for key, p in done.items() if key in wanted], offline)
     (out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
     plot_speedup(report, out_dir / PLOT_NAME)
     return report
+
+
+def offline_results(s: BenchSettings, out_dir: Path) -> list[dict]:
+    """eyas's offline τ on the bench's prompts, in float32 and the engine's dtype; kept in
+    out_dir/offline.json and reused while the settings and drafters are the same."""
+    from eyas.eval.offline_match import offline_taus
+
+    key = {
+        "fingerprint": s.fingerprint(),
+        "drafters": [d.identity(k) for d in s.drafters if d.kind != "plain" for k in s.ks],
+        "temperatures": s.temperatures,
+    }
+    path = out_dir / "offline.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            return saved["entries"]
+    dtypes = ["float32"] + ([s.dtype] if s.dtype not in ("float32", "auto") else [])
+    log.info("offline eval on the served prompts (%s)", ", ".join(dtypes))
+    entries = offline_taus(
+        s.target, s.prompts, s.drafters, s.ks, s.temperatures, s.max_tokens, dtypes, s.seed
+    )
+    path.write_text(json.dumps({"key": key, "entries": entries}, indent=1) + "\n")
+    return entries

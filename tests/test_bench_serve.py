@@ -286,10 +286,22 @@ def test_cli_benches_a_head_directory_with_the_targets_prompts(fake_engine, tiny
             str(out),
             "--json",
             "--no-progress",
+            "--offline-eval",
         ]
     )
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
+    # eyas's offline tau on the same 3 prompts and 6 tokens, beside the engine's tokens per forward
+    offline = report["offline_vs_served"]
+    assert {(e["drafter"], e["k"], e["temperature"], e["dtype"]) for e in offline} == {
+        (d, 3, 0.0, dt) for d in ("ngram", "pe") for dt in ("float32", "bfloat16")
+    }
+    served = {p["drafter"]: p["tokens_per_forward"] for p in report["points"] if p["concurrency"] == 1}
+    for e in offline:
+        assert 1.0 <= e["tau"] <= 4.0 and e["interval"] is None  # greedy: no sampling interval
+        assert e["served_tokens_per_forward"] == served[e["drafter"]]
+    assert next(e for e in offline if e["drafter"] == "pe")["tau"] < 1.5  # a random head is rarely accepted
+    assert (out / "offline.json").is_file()
     assert set(report["speedup"]) == {"ngram", "pe"} and set(report["speedup"]["pe"]["3"]) == {"1", "2"}
     assert report["drafters"]["pe"]["algorithm"] == "peagle" and report["drafters"]["pe"]["num_layers"] == 2
     assert report["workload"]["prompts"] == 3 and report["workload"]["repeats"] == 2
@@ -398,3 +410,18 @@ def test_an_engine_without_per_request_metrics_is_named_in_the_report(fake_engin
     assert not any("per_request" in p for p in report["points"])
     assert report["per_request_metrics"].startswith("not offered by this engine")
     assert "per-request acceptance: not offered by this engine" in B.format_report(report)
+
+
+def test_offline_tau_interval_covers_the_seeded_spread():
+    from eyas.eval.offline_match import tau_interval
+    from eyas.eval.speculate import DecodeTrace
+
+    def trace(accepted):
+        return DecodeTrace(tokens=[], seconds=0.0, forwards=1, drafted=[3] * len(accepted), accepted=accepted)
+
+    same = [trace([1, 2, 0, 1])] * 5
+    assert tau_interval(same) == (2.0, 2.0, 2.0)  # identical requests: no spread
+    mixed = [trace([3, 3, 3, 3]), trace([0, 0, 0, 0]), trace([1, 2, 1, 2]), trace([2, 2, 0, 0])]
+    tau, low, high = tau_interval(mixed)
+    assert tau == pytest.approx(1 + 22 / 16) and low < tau < high
+    assert tau_interval(mixed * 4)[2] - tau_interval(mixed * 4)[1] < high - low  # more requests, narrower
