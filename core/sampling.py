@@ -37,3 +37,22 @@ def sample_tokens(
         sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p >= top_p, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def serving_probs(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """logits [N, V] -> float32 probabilities the way vLLM's sampler and rejection sampler
+    shape the target's distribution (DESIGN §6): divide by the temperature, keep the
+    logits at or above the k-th largest (`top_k` > 0), then drop the least likely tokens
+    while the mass of the dropped ones stays <= 1 - `top_p`, the most likely always kept."""
+    x = logits.float() / temperature
+    if 0 < top_k < x.shape[-1]:
+        kth = x.topk(top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = x.sort(dim=-1)
+        dropped = torch.softmax(ascending, dim=-1).cumsum(-1) <= 1.0 - top_p
+        dropped[..., -1] = False
+        x = x.scatter(-1, order, ascending.masked_fill(dropped, float("-inf")))
+    return torch.softmax(x, dim=-1)

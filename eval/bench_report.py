@@ -10,6 +10,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eyas.eval.engine_check import describe, sampled_decoding_check
+from eyas.eval.offline_match import side_by_side
+from eyas.eval.request_metrics import NOT_OFFERED
 from eyas.heads.serving_config import vllm_serve_command
 from eyas.recipe import RunPaths
 
@@ -48,9 +51,10 @@ def target_summary(target: str) -> dict:
     return json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
 
 
-def build_report(s: BenchSettings, points: list[dict]) -> dict:
+def build_report(s: BenchSettings, points: list[dict], offline: list[dict] | None = None) -> dict:
     """Points (every repeat of every level) -> the report: one median point per level, the
-    speedup table, the lossless check and the recommendation."""
+    speedup table, the lossless check and the recommendation; with `offline` (eyas's τ on
+    the same prompts, eval/offline_match.py), τ beside the engine's tokens per forward."""
     from eyas.eval.advice import advise
 
     points = median_levels(points)
@@ -77,17 +81,29 @@ def build_report(s: BenchSettings, points: list[dict]) -> dict:
                         entry["identical"] += same
                         entry["compared"] += len(plain["output_sha1"])
         speedup_by_t[f"{t:g}"] = table
-    greedy = f"{0.0:g}" if 0.0 in s.temperatures else f"{s.temperatures[0]:g}"
-    at_greedy = [p for p in points if f"{p['temperature']:g}" == greedy and p["tar"] is not None]
-    tars = {
-        d.name: statistics.fmean(p["tar"] for p in at_greedy if p["drafter"] == d.name)
-        for d in spec_drafters
-        if any(p["drafter"] == d.name for p in at_greedy)
-    }
+    check = sampled_decoding_check(points) if any(t > 0 for t in s.temperatures) else None
+    untrusted = check is not None and check["passed"] is False
+    for p in points:
+        if untrusted and p["temperature"] > 0 and p["kind"] != "plain":
+            p["unreliable"] = True
+    trusted = [t for t in s.temperatures if t <= 0 or not untrusted]
+    # the recommendation holds at the greedy temperature, else at the first one trusted
+    greedy = f"{0.0:g}" if 0.0 in trusted else (f"{trusted[0]:g}" if trusted else None)
+    # TAR per K at the lowest concurrency: the alarm judges each K on its own (it falls as K grows)
+    tars = {}
+    for d in spec_drafters:
+        for k in s.ks:
+            p = by_key.get(point_key(d.name, k, float(greedy), s.concurrency[0])) if greedy else None
+            if p and p["tar"] is not None:
+                tars.setdefault(d.name, {})[str(k)] = p["tar"]
     commands = {
         d.name: {str(k): vllm_serve_command(s.target, d.speculative_config(k)) for k in s.ks}
         for d in spec_drafters
     }
+    recommendation = advise(speedup_by_t.get(greedy, {}), tars, commands)
+    recommendation["temperature"] = float(greedy) if greedy is not None else None
+    if untrusted:
+        recommendation["warnings"].append(describe(check))
     return {
         "kind": "eyas bench-serve",
         "version": 1,
@@ -109,11 +125,22 @@ def build_report(s: BenchSettings, points: list[dict]) -> dict:
             key=lambda p: (p["drafter"], p["k"] or 0, p["temperature"], p["concurrency"]),
         ),
         "speedup": speedup_by_t.get(greedy, {}),
-        "speedup_temperature": float(greedy),
+        "speedup_temperature": float(greedy) if greedy is not None else None,
         "speedup_by_temperature": speedup_by_t,
         "lossless": lossless,
-        "recommendation": advise(speedup_by_t.get(greedy, {}), tars, commands),
+        "sampled_decoding_check": check,
+        "per_request_metrics": per_request_status(points),
+        "offline_vs_served": side_by_side(offline, points, s.concurrency[0]) if offline else None,
+        "recommendation": recommendation,
     }
+
+
+def per_request_status(points: list[dict]) -> str | None:
+    """Whether the engine reported acceptance per request (eval/request_metrics.py)."""
+    spec = [p for p in points if p["kind"] != "plain"]
+    if not spec:
+        return None
+    return "recorded" if any(p.get("per_request") for p in spec) else NOT_OFFERED
 
 
 # --- what a person reads ----------------------------------------------------------------
@@ -129,10 +156,20 @@ def format_report(report: dict) -> str:
             for p in report["points"]
             if p["temperature"] == t
         }
-        rows = [["drafter", "K", *[f"c={c}" for c in conc], "tok/fwd", "TAR", "lossless"]]
+        rows = [
+            ["drafter", "K", *[f"c={c}" for c in conc], "tok/fwd", "TAR", "accepted per position", "lossless"]
+        ]
         plain = [pts.get(("plain", None, c)) for c in conc]
         rows.append(
-            ["plain", "-", *[f"{p['output_tok_s']:.1f} t/s" if p else "-" for p in plain], "1.00", "-", "-"]
+            [
+                "plain",
+                "-",
+                *[f"{p['output_tok_s']:.1f} t/s" if p else "-" for p in plain],
+                "1.00",
+                "-",
+                "-",
+                "-",
+            ]
         )
         table = report["speedup_by_temperature"].get(f"{t:g}", {})
         for name, by_k in table.items():
@@ -146,20 +183,82 @@ def format_report(report: dict) -> str:
                         *[f"{by_c[c]:.2f}x" if c in by_c else "-" for c in conc],
                         f"{first['tokens_per_forward']:.2f}" if first else "-",
                         f"{first['tar']:.0%}" if first and first["tar"] is not None else "-",
+                        "/".join(f"{a:.0%}" for a in first.get("per_position_acceptance") or [])
+                        if first
+                        else "-",
                         f"{ll['identical']}/{ll['compared']}" if ll else "-",
                     ]
                 )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines.append(
             f"temperature {t:g} (speedup = output tokens/s over plain at the same concurrency; "
-            f"tok/fwd and TAR at c={conc[0]})"
+            f"tok/fwd, TAR and acceptance per position at c={conc[0]})"
+            + (" UNRELIABLE: the engine failed the sampled-decoding check" if unreliable(report, t) else "")
         )
         lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
         lines.append("")
     from eyas.eval.advice import format_advice
 
+    if report.get("sampled_decoding_check"):
+        lines.append(describe(report["sampled_decoding_check"]))
+    lines += per_request_lines(report)
+    lines += offline_lines(report)
+    rec_t = report["recommendation"].get("temperature")
+    lines.append(
+        f"(recommendation measured at temperature {rec_t:g})"
+        if rec_t is not None
+        else "(no trusted temperature)"
+    )
     lines.append(format_advice(report["recommendation"]))
     return "\n".join(lines)
+
+
+def offline_lines(report: dict) -> list[str]:
+    """eyas's offline τ beside the engine's tokens per forward, per drafter, K, T and dtype."""
+    rows = report.get("offline_vs_served")
+    if not rows:
+        return []
+    c = report["concurrency"][0]
+    lines = [f"offline tau (eyas, the same prompts and budget) vs served tokens per forward (c={c}):"]
+    for e in rows:
+        band = f" [{e['interval'][0]:.2f}, {e['interval'][1]:.2f}]" if e.get("interval") else ""
+        served = e["served_tokens_per_forward"]
+        lines.append(
+            f"  {e['drafter']} K={e['k']} T={e['temperature']:g} {e['dtype']}: "
+            f"tau {e['tau']:.2f}{band}, served "
+            + (f"{served:.2f} ({served / e['tau'] - 1:+.1%})" if served else "-")
+            + (" UNRELIABLE" if unreliable(report, e["temperature"]) else "")
+        )
+    return lines
+
+
+def per_request_lines(report: dict) -> list[str]:
+    """Accepted drafts per step by prompt length, per drafter and K at the lowest
+    concurrency and the recommendation's temperature, or why there are none."""
+    status = report.get("per_request_metrics")
+    if status is None:
+        return []
+    if status != "recorded":
+        return [f"per-request acceptance: {status}"]
+    t, c = report["recommendation"].get("temperature"), report["concurrency"][0]
+    if t is None:
+        return ["per-request acceptance: recorded (no trusted temperature to show it at)"]
+    lines = [f"per-request acceptance by prompt length (c={c}, temperature {t:g}; accepted drafts per step):"]
+    for p in report["points"]:
+        if p["temperature"] == t and p["concurrency"] == c and p.get("by_prompt_length"):
+            groups = ", ".join(
+                f"{g['prompt_tokens'][0]}-{g['prompt_tokens'][1]} tokens: {g['accepted_per_step']:.2f}"
+                for g in p["by_prompt_length"]
+                if g["accepted_per_step"] is not None
+            )
+            lines.append(f"  {p['drafter']} K={p['k']}: {groups}")
+    return lines
+
+
+def unreliable(report: dict, temperature) -> bool:
+    """Whether the engine failed the sampled-decoding check and `temperature` is sampled."""
+    check = report.get("sampled_decoding_check") or {}
+    return check.get("passed") is False and float(temperature) > 0
 
 
 def repeat_spread(report: dict, drafter: str, k: str, temperature: str, concurrency: str):
@@ -223,7 +322,13 @@ def plot_speedup(report: dict, path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
         ax.set_ylabel("output tokens/s over plain")
-        ax.set_title(f"temperature {t}")
+        bad = unreliable(report, t)
+        if bad:
+            for line in ax.get_lines():
+                line.set_alpha(0.35)
+        ax.set_title(
+            f"temperature {t}" + ("\nUNRELIABLE: engine failed eyas's sampled-decoding check" if bad else "")
+        )
         ax.legend(fontsize=7, bbox_to_anchor=(1.02, 1), loc="upper left")
     fig.suptitle(
         f"vLLM, {Path(report['target']['path']).name}, {report['workload']['source']} "

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from eyas.eval.bench_report import PLOT_NAME, build_report, format_report, plot_speedup, point_key  # noqa: F401
 from eyas.eval.engine_counters import counter_delta, read_counters
+from eyas.eval.request_metrics import ENGINE_FLAG, by_prompt_length, engine_offers, request_record
 from eyas.heads.serving_config import speculative_config
 from eyas.recipe import RunPaths
 
@@ -114,6 +115,7 @@ class BenchSettings:
     request_timeout_s: float = 1800.0
     seed: int = 0
     repeats: int = 1  # runs of each level; not in the fingerprint, so more can be added later
+    offline_eval: bool = False  # also eyas's offline τ on the same prompts (eval/offline_match.py)
 
     def fingerprint(self) -> str:
         """What makes two measurements comparable; points of another setting are not reused."""
@@ -133,8 +135,9 @@ class BenchSettings:
 # --- the engine -------------------------------------------------------------------------
 
 
-def engine_command(s: BenchSettings, spec: dict | None) -> str:
-    """The command line that serves the target, with `spec` as its speculative config."""
+def engine_command(s: BenchSettings, spec: dict | None, per_request: bool = False) -> str:
+    """The command line that serves the target, with `spec` as its speculative config and,
+    with `per_request`, vLLM's per-request acceptance metrics on."""
     argv = [
         s.vllm_python,
         str(ENTRY),
@@ -156,7 +159,7 @@ def engine_command(s: BenchSettings, spec: dict | None) -> str:
         str(max(max(s.concurrency), 8)),
     ]
     if spec is not None:
-        argv += ["--speculative-config", json.dumps(spec)]
+        argv += ["--speculative-config", json.dumps(spec)] + (ENGINE_FLAG if per_request else [])
     # vLLM's CPU build takes 92% of a NUMA node for its KV cache unless told; GPU builds ignore it
     env = "" if "VLLM_CPU_KVCACHE_SPACE" in os.environ else "VLLM_CPU_KVCACHE_SPACE=4 "
     return env + shlex.join(argv + list(s.engine_args))
@@ -172,6 +175,7 @@ class RequestResult:
     ttft_s: float
     latency_s: float
     text: str
+    spec: dict | None = None  # the engine's per-request acceptance (eval/request_metrics.py)
 
 
 async def _one_request(
@@ -187,7 +191,7 @@ async def _one_request(
         "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
-    first, pieces, usage = None, [], None
+    first, pieces, usage, spec = None, [], None, None
     async with http.stream("POST", url + "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             detail = (await resp.aread()).decode("utf-8", "replace")[:500]
@@ -201,6 +205,7 @@ async def _one_request(
             chunk = json.loads(data)
             if chunk.get("usage"):
                 usage = chunk["usage"]
+                spec = (chunk.get("metrics") or {}).get("speculative_decoding")
             for choice in chunk.get("choices") or []:
                 if choice.get("text"):
                     first = first if first is not None else time.perf_counter()
@@ -214,6 +219,7 @@ async def _one_request(
         (first or end) - start,
         end - start,
         "".join(pieces),
+        spec,
     )
 
 
@@ -282,7 +288,17 @@ def summarize_level(results: list[RequestResult], wall: float, counters: dict) -
         "tar": accepted / proposed if proposed else None,
         "per_position_acceptance": rates,
         "output_sha1": [hashlib.sha1(r.text.encode()).hexdigest()[:12] for r in results],
+        **per_request_fields(results),
     }
+
+
+def per_request_fields(results: list[RequestResult]) -> dict:
+    """The engine's per-request acceptance, when it reported it: one record per request
+    (in prompt order) and the requests grouped by prompt length."""
+    if not any(r.spec for r in results):
+        return {}
+    records = [request_record(r.prompt_tokens, r.spec) for r in results if r.spec]
+    return {"per_request": records, "by_prompt_length": by_prompt_length(records)}
 
 
 # --- the bench --------------------------------------------------------------------------
@@ -325,6 +341,7 @@ def run_bench(s: BenchSettings, out_dir: Path, progress: bool = True) -> dict:
     fp = s.fingerprint()
     done = load_points(points_path, fp)
     url = f"http://127.0.0.1:{s.port}"
+    per_request = None  # asked of the engine's Python once, when a speculative engine starts
     # every level once, then every level again: a repeat is spread over the engine's life
     levels = [(r, t, c) for r in range(s.repeats) for t in s.temperatures for c in s.concurrency]
     for drafter, k in engine_plan(s):
@@ -337,7 +354,9 @@ def run_bench(s: BenchSettings, out_dir: Path, progress: bool = True) -> dict:
             continue
         spec = drafter.speculative_config(k) if k else None
         label = drafter.name + (f" K={k}" if k else "")
-        command = engine_command(s, spec)
+        if spec is not None and per_request is None:
+            per_request = engine_offers(s.vllm_python)
+        command = engine_command(s, spec, bool(per_request))
         log_path = out_dir / "logs" / f"engine_{drafter.name}_k{k or 0}.log"
         log.info("%s: starting the engine (log %s)", label, log_path)
         with launched_engine(command, [url], log_path, timeout_s=s.startup_timeout_s):
@@ -363,7 +382,32 @@ def run_bench(s: BenchSettings, out_dir: Path, progress: bool = True) -> dict:
                 done[point_key(drafter.name, k, temperature, conc, repeat)] = point
             bar.close()
     wanted = {point_key(d.name, k, t, c, r) for d, k in engine_plan(s) for r, t, c in levels}
-    report = build_report(s, [p for key, p in done.items() if key in wanted])
+    offline = offline_results(s, out_dir) if s.offline_eval else None
+    report = build_report(s, [p for key, p in done.items() if key in wanted], offline)
     (out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
     plot_speedup(report, out_dir / PLOT_NAME)
     return report
+
+
+def offline_results(s: BenchSettings, out_dir: Path) -> list[dict]:
+    """eyas's offline τ on the bench's prompts, in float32 and the engine's dtype; kept in
+    out_dir/offline.json and reused while the settings and drafters are the same."""
+    from eyas.eval.offline_match import offline_taus
+
+    key = {
+        "fingerprint": s.fingerprint(),
+        "drafters": [d.identity(k) for d in s.drafters if d.kind != "plain" for k in s.ks],
+        "temperatures": s.temperatures,
+    }
+    path = out_dir / "offline.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            return saved["entries"]
+    dtypes = ["float32"] + ([s.dtype] if s.dtype not in ("float32", "auto") else [])
+    log.info("offline eval on the served prompts (%s)", ", ".join(dtypes))
+    entries = offline_taus(
+        s.target, s.prompts, s.drafters, s.ks, s.temperatures, s.max_tokens, dtypes, s.seed
+    )
+    path.write_text(json.dumps({"key": key, "entries": entries}, indent=1) + "\n")
+    return entries

@@ -43,12 +43,15 @@ def run_eval(
     tie_tolerance: float | None = None,
     progress: bool = True,
     replay: Collection[str] = (),
+    sampling: dict | None = None,
 ) -> dict:
     """Decode every turn of every prompt plainly and with each drafter.
 
     `drafters`: name -> drafter (`HeadDrafter`, `NgramDrafter`). The drafters named in
     `replay` (token-only ones, greedy only) are walked over the plain output with
     `replay_greedy` instead of decoded: the same acceptance, no decode time, no tok/s.
+    `sampling`: `speculative_decode`'s keywords at temperature > 0 (`top_k`, `top_p`,
+    `greedy_drafts`; `sampling_keywords` makes them from the recipe's eval section).
     Returns the report body: plain / per-drafter summaries, per-category and per-turn
     summaries, the lossless check (greedy, decoded drafters), the names replayed.
     """
@@ -96,7 +99,9 @@ def run_eval(
                         if temperature > 0
                         else None
                     )
-                    tr = speculative_decode(model, ids, drafter, k, max_new_tokens, eos, temperature, gen)
+                    tr = speculative_decode(
+                        model, ids, drafter, k, max_new_tokens, eos, temperature, gen, **(sampling or {})
+                    )
                 traces[name].append(tr)
                 cat[name].append(tr)
                 per_turn[name].append(tr)
@@ -254,6 +259,13 @@ def load_eval_head(head_dir: str, target):
     return head.to(device=device, dtype=embed.dtype if device.type == "cuda" else None).eval()
 
 
+def sampling_keywords(ev) -> dict:
+    """The eval section's sampler settings as `speculative_decode` keywords: vLLM drafts by
+    the drafter's argmax unless its `draft_sample_method` is probabilistic (DESIGN §6)."""
+    greedy = ev.sampler == "vllm" and ev.draft_sample_method == "greedy"
+    return {"top_k": ev.top_k, "top_p": ev.top_p, "greedy_drafts": greedy}
+
+
 def _replayed(drafters: dict, decode_baseline: bool) -> set[str]:
     """The baseline is replayed beside a head unless asked to decode; alone, it is what
     is being measured, so it is decoded."""
@@ -321,6 +333,7 @@ def evaluate(
         tie_tolerance=tie_tolerance,
         progress=progress,
         replay=_replayed(drafters, ev.decode_baseline),
+        sampling=sampling_keywords(ev),
     )
     report = {
         "target": target.hub_id,
@@ -330,6 +343,16 @@ def evaluate(
         "workload": ev.workload,
         "k": ev.k,
         "temperature": ev.temperature,
+        **(
+            {
+                "sampler": ev.sampler,
+                "draft_sample_method": ev.draft_sample_method,
+                "top_k": ev.top_k,
+                "top_p": ev.top_p,
+            }
+            if ev.temperature > 0
+            else {}
+        ),
         "max_new_tokens": ev.max_new_tokens,
         "device": str(target.model.device),
         "dtype": str(target.model.dtype).replace("torch.", ""),

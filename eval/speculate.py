@@ -6,7 +6,10 @@ rejection), the longest accepted prefix plus the bonus token is kept. The same v
 forward yields the target's aux hidden states of the accepted slots, which become the
 head's next step-0 entries. Greedy by default; with temperature > 0 the lossless
 rejection rule (accept x with prob min(1, p(x)/q(x)), else resample from
-norm(max(p - q, 0))).
+norm(max(p - q, 0))), p shaped as vLLM shapes it (temperature, top-k, top-p:
+`serving_probs`). The draft is sampled from q (`eval.sampler: exact`, and vLLM's
+`draft_sample_method: probabilistic`) or, with `greedy_drafts`, is the drafter's argmax
+with q one-hot, so accepted with probability p(x): vLLM's default (`eval.sampler: vllm`).
 
 Drafters: `HeadDrafter` (EAGLE-3 chain / P-EAGLE one pass, via `head.draft`) and
 `eyas.eval.ngram.NgramDrafter`. A drafter has `aux_layer_ids`, `start(prompt,
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eyas.core.sampling import sample_tokens
+from eyas.core.sampling import serving_probs
 from eyas.target.features import capture_aux
 
 
@@ -117,8 +120,14 @@ def speculative_decode(
     eos_ids: set[int],
     temperature: float = 0.0,
     generator=None,
+    *,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy_drafts: bool = False,
 ) -> DecodeTrace:
-    """Draft / verify / accept until EOS or `max_new_tokens` (the output is truncated there)."""
+    """Draft / verify / accept until EOS or `max_new_tokens` (the output is truncated there).
+    `top_k` / `top_p` and `greedy_drafts` matter only at temperature > 0 (module docstring)."""
+    draft_temperature = 0.0 if greedy_drafts else temperature
     device = model.get_output_embeddings().weight.device
     cache = new_target_cache(model)
     trace = DecodeTrace(tokens=[], seconds=0.0, forwards=1)
@@ -127,12 +136,18 @@ def speculative_decode(
         out = model(
             input_ids=torch.tensor([prompt], device=device), cache=cache, use_cache=True, logits_to_keep=1
         )
-        last = int(sample_tokens(out.logits[0, -1:], temperature, generator=generator)[0])
+        first = out.logits[0, -1:]
+        if temperature > 0:
+            last = int(
+                torch.multinomial(serving_probs(first, temperature, top_k, top_p), 1, generator=generator)
+            )
+        else:
+            last = int(first.argmax(-1))
         aux = grabbed.get("aux")
         drafter.start(prompt, last, aux[0] if aux is not None else None)
         generated = [last]
         while last not in eos_ids and len(generated) < max_new_tokens:
-            draft, q = drafter.propose(k, temperature, generator)
+            draft, q = drafter.propose(k, draft_temperature, generator)
             draft = draft.to(device)
             kd = draft.shape[0]
             verify_in = torch.cat([torch.tensor([last], device=device), draft])[None]
@@ -143,7 +158,7 @@ def speculative_decode(
                 n = int((draft == pred[:kd]).long().cumprod(0).sum()) if kd else 0
                 bonus = int(pred[n])
             else:
-                p = torch.softmax(logits.float() / temperature, dim=-1)
+                p = serving_probs(logits, temperature, top_k, top_p)
                 if kd:
                     q_full = (
                         q.to(p) if q is not None else torch.nn.functional.one_hot(draft, p.shape[-1]).to(p)

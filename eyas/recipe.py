@@ -271,6 +271,14 @@ class EvalSection(_Section):
     # measured). True, or no head: decoded against the target, its tok/s measured.
     decode_baseline: bool = False
     seed: int = 0
+    # At temperature > 0 (DESIGN §6): "vllm" drafts and accepts as vLLM does (the drafter's
+    # argmax accepted with the target's probability, unless draft_sample_method is
+    # "probabilistic"); "exact" samples drafts and accepts with min(1, p/q). top_k (0: off)
+    # and top_p shape the target's distribution as vLLM's sampler does.
+    sampler: Literal["vllm", "exact"] = "vllm"
+    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
 
     @model_validator(mode="after")
     def _ngram_window(self) -> EvalSection:

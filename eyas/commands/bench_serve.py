@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="runs of each level on its engine; the report keeps the median run (a drifting host)",
     )
     parser.add_argument(
+        "--offline-eval",
+        action="store_true",
+        help="also decode the same prompts with eyas's offline eval (float32 and --dtype) and set its "
+        "tau beside the engine's tokens per forward",
+    )
+    parser.add_argument(
         "--vllm-python",
         help="the Python of the vLLM install (default: .venv-vllm/bin/python "
         "when it exists, else this interpreter)",
@@ -172,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         engine_args=list(args.engine_arg),
         startup_timeout_s=args.startup_timeout,
         repeats=args.repeats,
+        offline_eval=args.offline_eval,
     )
     out = Path(args.out) if args.out else recipe.paths.bench_serve
     if args.fresh:

