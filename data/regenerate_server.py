@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
+from eyas.core.engine_process import server_root
 from eyas.data.reasoning import assistant_message, is_empty_reply
 from eyas.data.templates import TemplateError, prompt_ids, render_with_mask, special_strings
 
@@ -91,7 +92,7 @@ class ChatClient:
         import httpx
 
         self.s = settings
-        self.in_flight = {u.rstrip("/"): 0 for u in settings.urls}
+        self.in_flight = {server_root(u): 0 for u in settings.urls}
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.timeout_s, connect=30.0),
             limits=httpx.Limits(max_connections=settings.concurrency + 8),

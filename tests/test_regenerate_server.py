@@ -182,6 +182,27 @@ def test_a_server_without_token_ids_is_still_used(tiny, tmp_path):
         assert all(len(c) == 2 for c in got) and not checks
 
 
+def test_server_urls_in_the_openai_client_form_reach_the_same_endpoints(tiny, tmp_path):
+    # `http://host:8000/v1` is the base URL vLLM's docs give the OpenAI client; it once
+    # became /v1/v1/chat/completions (404)
+    from eyas.core.engine_process import answers
+
+    with FakeChatServer(tiny.tokenizer, tiny.model) as server:
+        for url in (server.url + "/v1", server.url + "/v1/", server.url + "/"):
+            assert answers(url)
+            got = regenerate(
+                _convs(1),
+                tiny.tokenizer,
+                tmp_path / "r.jsonl",
+                backend="server",
+                server=_settings(url),
+                progress=False,
+            )
+            assert len(got[0]) == 2
+            (tmp_path / "r.jsonl").unlink()
+        assert len(server.requests) == 3
+
+
 @pytest.mark.parametrize("reasoning", ["parsed", "raw"])
 def test_harmony_reply_keeps_both_channels_through_storage_rendering_and_masks(tmp_path, reasoning):
     """A GPT-OSS reply with analysis and final channels, from a server that parses them
