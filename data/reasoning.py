@@ -14,6 +14,7 @@ Anything else is plain content. Channels are never concatenated into `content`.
 
 from __future__ import annotations
 
+import random
 import re
 
 HARMONY_MARKERS = ("<|channel|>", "<|message|>")
@@ -91,11 +92,50 @@ def is_empty_reply(message: dict) -> bool:
     return not (message.get("content") or "").strip()
 
 
-def decoded_reply(tokenizer, token_ids: list[int], finished: bool = True) -> dict:
+def decoded_reply(tokenizer, token_ids: list[int], finished: bool = True, effort: str | None = None) -> dict:
     """A reply decoded from the target's tokens (stop token excluded; `finished`: a stop
     token ended it, else max_new_tokens did): harmony targets keep their special tokens
-    for the parser; others skip them."""
+    for the parser; others skip them. The ids are kept on the message (`token_ids`), so
+    the sample trains them rather than its text tokenised again; `effort`: the reasoning
+    effort it was prompted at, marked on the message."""
     reason = None if finished else "length"
-    if is_harmony_tokenizer(tokenizer):
-        return assistant_message(tokenizer.decode(token_ids, skip_special_tokens=False), finish_reason=reason)
-    return assistant_message(tokenizer.decode(token_ids, skip_special_tokens=True), finish_reason=reason)
+    skip = not is_harmony_tokenizer(tokenizer)
+    msg = assistant_message(tokenizer.decode(token_ids, skip_special_tokens=skip), finish_reason=reason)
+    msg["token_ids"] = [int(t) for t in token_ids]
+    return mark_effort(msg, effort)
+
+
+def mark_effort(reply: dict, effort: str | None) -> dict:
+    """`reply` marked with the reasoning effort it was prompted at (none: unchanged), the
+    mark rendering reads back (`conversation_effort`)."""
+    if effort is not None:
+        reply["reasoning_effort"] = effort
+    return reply
+
+
+def effort_template_kwargs(effort: str | None) -> dict:
+    """The chat-template arguments of a reasoning effort, as vLLM's chat endpoint derives
+    them from its `reasoning_effort`: the effort itself (GPT-OSS writes `Reasoning: high`
+    into its harmony system message) and `enable_thinking` off for `none` (Qwen3 opens
+    the reply with an empty think block). None: the template's own default."""
+    if effort is None:
+        return {}
+    return {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+
+
+def conversation_effort(messages: list[dict]) -> str | None:
+    """The effort a regenerated conversation was generated at: the `reasoning_effort`
+    eyas marks on its assistant turns (None: not regenerated with one)."""
+    return next((m["reasoning_effort"] for m in messages if m.get("reasoning_effort")), None)
+
+
+def draw_efforts(setting: str | dict[str, float] | None, n: int, seed: int) -> list[str | None]:
+    """The effort of each of `n` conversations: `setting` itself when it is one value, else
+    drawn from the mix {effort: weight}, by a generator seeded with `seed` and the
+    conversation's index, so a conversation's effort does not depend on which others
+    are regenerated with it (a resumed run draws the same)."""
+    if not isinstance(setting, dict):
+        return [setting] * n
+    names = sorted(setting)
+    weights = [setting[k] for k in names]
+    return [random.Random(f"{seed}:{i}").choices(names, weights)[0] for i in range(n)]

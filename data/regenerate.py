@@ -31,15 +31,25 @@ import torch
 
 from eyas.data.decode import decode_replies_hf
 from eyas.data.fed_states import write_fed_states
-from eyas.data.reasoning import decoded_reply, is_empty_reply
+from eyas.data.reasoning import (
+    conversation_effort,
+    decoded_reply,
+    draw_efforts,
+    is_empty_reply,
+    is_harmony_tokenizer,
+)
 from eyas.data.templates import prompt_ids
 
 log = logging.getLogger(__name__)
 
 
-def source_digest(conversation: list[dict]) -> str:
-    """What a reply record was generated from: a digest of the user and system turns."""
+def source_digest(conversation: list[dict], settings: dict | None = None) -> str:
+    """What a reply record was generated from: a digest of the user and system turns and
+    of the regeneration `settings` (sampling, length, seed, effort), so a record made
+    under other settings is never taken for one of these."""
     key = [[m["role"], m["content"]] for m in conversation if m["role"] != "assistant"]
+    if settings:
+        key.append(sorted(settings.items()))
     return hashlib.sha256(json.dumps(key, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
@@ -75,6 +85,9 @@ class RecordWriter:
 
     def write(self, i: int, messages: list[dict], token_checks: dict | None = None) -> None:
         rec = {"index": i, "source": self.sources[i], "messages": messages}
+        effort = conversation_effort(messages)
+        if effort:
+            rec["reasoning_effort"] = effort
         if token_checks:
             rec["token_checks"] = token_checks
         self.f.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -122,6 +135,7 @@ def regenerate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
+    reasoning_effort: str | dict[str, float] | None = None,
     progress: bool = True,
     max_prompt_tokens: int | None = None,
     states_dir: str | Path | None = None,
@@ -141,6 +155,10 @@ def regenerate(
     gets the server's token-id comparisons of the returned conversations, the resumed
     ones included. `only` limits the work to those indices (the others come back as
     they were, or as already regenerated): the time-budget probe runs one batch this way.
+    `reasoning_effort`: one effort or a mix {effort: weight} drawn per conversation with
+    `seed` (data/reasoning.py::draw_efforts); each conversation is prompted at its effort
+    and its assistant turns are marked with it, so rendering uses the same template
+    arguments. Sampling is seeded by `seed` (the server backend: per conversation and turn).
 
     Replies that come back empty (the target stopped at once, or was cut inside its
     reasoning) end the conversation before that turn; a conversation left without any
@@ -156,7 +174,14 @@ def regenerate(
         raise ValueError("the server backend needs its ServerSettings")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    sources = [source_digest(c) for c in conversations]
+    efforts = draw_efforts(reasoning_effort, len(conversations), seed)
+    if "none" in efforts and is_harmony_tokenizer(tokenizer):
+        raise ValueError(
+            "data.regenerate.reasoning_effort: 'none' is not an effort of harmony (GPT-OSS) targets; "
+            "use low, medium or high"
+        )
+    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+    sources = [source_digest(c, {**settings, "reasoning_effort": e}) for c, e in zip(conversations, efforts)]
     records = done_records(out_path)
     # a record whose source differs came from other data (another max_samples, dedupe,
     # max_turns): generated again, and the later record wins on the next read
@@ -173,7 +198,7 @@ def regenerate(
     # padding wastes little: sorting by characters of the first two messages let the
     # dataset's own reply decide, which left ~60% of prefill positions padding.
     # Conversations whose first prompt is already over the cap take no batch slot.
-    first_prompt = {i: prompt_ids(tokenizer, before_first_reply(conversations[i])) for i in todo}
+    first_prompt = {i: prompt_ids(tokenizer, before_first_reply(conversations[i]), efforts[i]) for i in todo}
     cap = max_prompt_tokens if max_prompt_tokens is not None else float("inf")
     too_long = [i for i in todo if len(first_prompt[i]) > cap]
     todo = sorted((i for i in todo if len(first_prompt[i]) <= cap), key=lambda i: len(first_prompt[i]))
@@ -204,7 +229,15 @@ def regenerate(
             todo.reverse()
             try:
                 regenerate_with_server(
-                    conversations, todo, tokenizer, server, writer.write_soon, max_prompt_tokens, bar, work
+                    conversations,
+                    todo,
+                    tokenizer,
+                    server,
+                    writer.write_soon,
+                    max_prompt_tokens,
+                    bar,
+                    work,
+                    efforts,
                 )
             finally:
                 writer.sync()
@@ -225,6 +258,7 @@ def regenerate(
                 states_dir,
                 state_layer_ids,
                 target_name,
+                efforts,
             )
     bar.close()
     if token_checks is not None:
@@ -249,6 +283,7 @@ def _regenerate_hf(
     states_dir,
     state_layer_ids,
     target_name,
+    efforts,
 ) -> None:
     """The hf backend: batches of conversations, turn t of every one decoded together."""
     for start in range(0, len(todo), batch_size):
@@ -271,7 +306,9 @@ def _regenerate_hf(
             if not need:
                 continue
             # A conversation's first prompt was tokenised for sorting; later ones are built here.
-            prompts = [first_prompt.pop(i, None) or prompt_ids(tokenizer, histories[i]) for i in need]
+            prompts = [
+                first_prompt.pop(i, None) or prompt_ids(tokenizer, histories[i], efforts[i]) for i in need
+            ]
             if max_prompt_tokens is not None:
                 fits = [len(p) <= max_prompt_tokens for p in prompts]
                 alive.difference_update(i for i, ok in zip(need, fits) if not ok)
@@ -288,7 +325,9 @@ def _regenerate_hf(
                 top_p,
                 state_layer_ids=state_layer_ids if states_dir is not None else None,
             )
-            replies = [decoded_reply(tokenizer, d.token_ids, d.finished) for d in decoded]
+            replies = [
+                decoded_reply(tokenizer, d.token_ids, d.finished, efforts[i]) for i, d in zip(need, decoded)
+            ]
             fed.update(
                 (i, (d.fed_ids, d.states))
                 for i, d, r in zip(need, decoded, replies)

@@ -25,8 +25,8 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 from eyas.core.engine_process import server_root
-from eyas.data.reasoning import assistant_message, is_empty_reply
-from eyas.data.templates import TemplateError, prompt_ids, render_with_mask, special_strings
+from eyas.data.reasoning import assistant_message, effort_template_kwargs, is_empty_reply, mark_effort
+from eyas.data.templates import EYAS_MARKS, TemplateError, prompt_ids, render_with_mask, special_strings
 
 log = logging.getLogger(__name__)
 
@@ -134,19 +134,24 @@ class ChatClient:
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    async def chat(self, messages: list[dict]) -> dict:
-        """One reply: the choice's message and, where given, `token_ids` / `prompt_token_ids`."""
+    async def chat(self, messages: list[dict], effort: str | None = None, seed: int | None = None) -> dict:
+        """One reply: the choice's message and, where given, `token_ids` / `prompt_token_ids`.
+        `effort`: the reasoning effort, sent as vLLM's `reasoning_effort` and as the
+        template arguments it stands for (for servers that only pass `chat_template_kwargs`)."""
         url = min(self.in_flight, key=self.in_flight.get)
         body = {
             "model": await self.resolve_model(),
-            "messages": messages,
+            "messages": [{k: v for k, v in m.items() if k not in EYAS_MARKS} for m in messages],
             "max_tokens": self.s.max_new_tokens,
             "temperature": self.s.temperature,
             "top_p": self.s.top_p,
-            "seed": self.s.seed,
+            "seed": self.s.seed if seed is None else seed,
             # raw harmony keeps its channel tokens when no reasoning parser splits them
             "skip_special_tokens": False,
         }
+        if effort is not None:
+            body["reasoning_effort"] = effort
+            body["chat_template_kwargs"] = effort_template_kwargs(effort)
         if self.token_ids:
             body["return_token_ids"] = True
         self.in_flight[url] += 1
@@ -192,6 +197,7 @@ async def _regenerate_all(
     ends: set[int],
     bar,
     work: dict[int, int],
+    efforts: Sequence[str | None],
 ) -> None:
     client = ChatClient(settings)
     sem = asyncio.Semaphore(settings.concurrency)
@@ -206,18 +212,27 @@ async def _regenerate_all(
                 if m["role"] != "assistant":
                     history.append({"role": m["role"], "content": m["content"]})
                     continue
-                own_prompt = prompt_ids(
-                    tokenizer, history
-                )  # rendered once: the length cap and the token check
+                # rendered once: the length cap and the token check
+                own_prompt = prompt_ids(tokenizer, history, efforts[i])
                 if max_prompt_tokens is not None and len(own_prompt) > max_prompt_tokens:
                     break
-                out = await client.chat(history)
+                # a seed per conversation and turn: one seed for all would draw every
+                # reply from the same stream of uniforms
+                turn_seed = (settings.seed * 1_000_003 + i * 1009 + len(history)) % 2**31
+                out = await client.chat(history, efforts[i], turn_seed)
                 msg = out["message"]
                 reply = assistant_message(
                     msg.get("content") or "",
                     msg.get("reasoning_content") or msg.get("reasoning"),
                     finish_reason=out["finish_reason"],
                 )
+                mark_effort(reply, efforts[i])
+                if (
+                    out["token_ids"] is not None
+                ):  # vLLM's end with the stop token; the template writes its own
+                    reply["token_ids"] = list(out["token_ids"])
+                    if out["finish_reason"] == "stop":
+                        reply["token_ids"] = _strip_end(reply["token_ids"], ends)
                 tokens += int(out["completion_tokens"] or 0)
                 replies += 1
                 if is_empty_reply(reply):  # stopped at once, or cut inside its reasoning
@@ -263,8 +278,10 @@ def regenerate_with_server(
     max_prompt_tokens: int | None,
     bar,
     work: dict[int, int] | None = None,
+    efforts: Sequence[str | None] | None = None,
 ) -> None:
-    """Regenerate the conversations at `todo` through the server; `write(i, messages,
+    """Regenerate the conversations at `todo` through the server (conversation i at
+    reasoning effort `efforts[i]`, default none); `write(i, messages,
     token_checks)` is called as each one finishes (`token_checks`: turns compared with the
     server's token ids and the mismatches by reason, see `compare_reply_tokens`). `bar`
     advances by `work[i]` (its expected tokens) as conversation i finishes."""
@@ -274,6 +291,15 @@ def regenerate_with_server(
     with settings.engine() if settings.engine else nullcontext():
         asyncio.run(
             _regenerate_all(
-                conversations, todo, tokenizer, settings, write, max_prompt_tokens, ends, bar, work or {}
+                conversations,
+                todo,
+                tokenizer,
+                settings,
+                write,
+                max_prompt_tokens,
+                ends,
+                bar,
+                work or {},
+                efforts or [None] * len(conversations),
             )
         )

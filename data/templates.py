@@ -16,8 +16,11 @@ tokens with the fast tokenizer's offsets: a token is trained when it starts insi
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
+
+from eyas.data.reasoning import conversation_effort, effort_template_kwargs
 
 Conversation = list[dict]
 
@@ -40,10 +43,16 @@ class Rendered:
     truncated: bool = False
 
 
-def _render(tokenizer, messages: Conversation, add_generation_prompt: bool) -> str:
+# What eyas stores on a message for itself, never shown to a template.
+EYAS_MARKS = ("finish_reason", "reasoning_effort", "token_ids")
+
+
+def _render(
+    tokenizer, messages: Conversation, add_generation_prompt: bool, kwargs: dict | None = None
+) -> str:
     try:
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(kwargs or {})
         )
     except Exception as err:  # jinja raises anything (TemplateError, TypeError, raise_exception)
         raise TemplateError("template_error", str(err)[:200]) from None
@@ -55,7 +64,8 @@ def _template_messages(messages: Conversation) -> Conversation:
     out = []
     for m in messages:
         m = dict(m)
-        m.pop("finish_reason", None)  # eyas's own mark (see render_with_mask), not the template's
+        for mark in EYAS_MARKS:  # eyas's own (see render_with_mask), not the template's
+            m.pop(mark, None)
         if "reasoning" in m:
             m.setdefault("reasoning_content", m["reasoning"])
             m.setdefault("thinking", m["reasoning"])
@@ -66,26 +76,37 @@ def _template_messages(messages: Conversation) -> Conversation:
 def assistant_char_spans(
     tokenizer, messages: Conversation, train_on: Literal["all", "last"] = "all"
 ) -> tuple[str, list[tuple[int, int]]]:
-    """The full rendering and the [start, end) character spans of the trained assistant turns."""
+    """The full rendering and the [start, end) character spans of the trained assistant turns.
+    A conversation regenerated at a reasoning effort is rendered at it (the template
+    arguments the target was prompted with)."""
+    full, turns = _turn_spans(tokenizer, messages, train_on)
+    return full, [(a, b) for _, a, b in turns]
+
+
+def _turn_spans(
+    tokenizer, messages: Conversation, train_on: Literal["all", "last"]
+) -> tuple[str, list[tuple[int, int, int]]]:
+    """`assistant_char_spans` with each span's message index: (k, start, end)."""
+    kwargs = effort_template_kwargs(conversation_effort(messages))
     messages = _template_messages(messages)
-    full = _render(tokenizer, messages, add_generation_prompt=False)
+    full = _render(tokenizer, messages, add_generation_prompt=False, kwargs=kwargs)
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     if train_on == "last":
         turns = turns[-1:]
     spans = []
     for k in turns:
-        prompt = _render(tokenizer, messages[:k], add_generation_prompt=True)
+        prompt = _render(tokenizer, messages[:k], add_generation_prompt=True, kwargs=kwargs)
         if not full.startswith(prompt):
             raise TemplateError("template_not_incremental", f"the prompt before turn {k} is not a prefix")
         start = len(prompt)
-        upto = _render(tokenizer, messages[: k + 1], add_generation_prompt=False)
+        upto = _render(tokenizer, messages[: k + 1], add_generation_prompt=False, kwargs=kwargs)
         if full.startswith(upto) and len(upto) > start:
             end = len(upto.rstrip())
         else:
             end = _end_by_special(tokenizer, full, start, messages[k])
         if end <= start:
             raise TemplateError("empty_assistant_span", f"turn {k}")
-        spans.append((start, end))
+        spans.append((k, start, end))
     return full, spans
 
 
@@ -136,12 +157,8 @@ def render_with_mask(
     """
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError("render_with_mask needs a fast tokenizer (for character offsets)")
-    text, spans = assistant_char_spans(tokenizer, messages, train_on)
-    # The chat template already wrote BOS/specials; tokenise exactly what it rendered,
-    # as apply_chat_template(tokenize=True) does.
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    mask = _span_mask(offsets, spans)
+    text, turns = _turn_spans(tokenizer, messages, train_on)
+    ids, mask = _tokens_and_mask(tokenizer, text, turns, messages)
     last = messages[-1] if messages else {}
     if last.get("role") == "assistant" and last.get("finish_reason") == "length" and any(mask):
         end = _end_of_cut_reply(tokenizer, ids, mask)
@@ -156,10 +173,84 @@ def render_with_mask(
     return Rendered(input_ids=list(ids), loss_mask=mask, text=text, truncated=truncated)
 
 
+def _tokens_and_mask(
+    tokenizer, text: str, turns: list[tuple[int, int, int]], messages: Conversation
+) -> tuple[list[int], list[int]]:
+    """The rendering's token ids and loss mask. The chat template already wrote BOS and
+    specials, so the text is tokenised as it is, as apply_chat_template(tokenize=True)
+    does; except that a reply stored with the `token_ids` the target generated is those
+    ids (DESIGN §2.1, token-exact replies): its text can re-tokenise otherwise (a split
+    the target sampled that the tokenizer would merge), and then the head would learn
+    tokens the target never produced. The text around such a reply is tokenised apart,
+    as the engine tokenised the prompt apart from what it generated."""
+    specials = _special_ids(tokenizer)
+    ids, mask, pos = [], [], 0
+    spans = [(a, b) for _, a, b in turns]
+    for k, start, end in turns:
+        body_end = _reply_ids_fit(tokenizer, text, start, end, messages[k].get("token_ids"), specials)
+        if body_end is None:
+            continue
+        _append_text(tokenizer, text, pos, start, spans, ids, mask)
+        reply = _without_trailing(messages[k]["token_ids"], specials)
+        ids.extend(reply)
+        mask.extend([1] * len(reply))
+        pos = body_end
+    _append_text(tokenizer, text, pos, len(text), spans, ids, mask)
+    return ids, mask
+
+
+def _append_text(tokenizer, text: str, a: int, b: int, spans, ids: list[int], mask: list[int]) -> None:
+    """Tokenise text[a:b] onto `ids`, masked where its tokens start inside `spans`."""
+    if b <= a:
+        return
+    enc = tokenizer(text[a:b], add_special_tokens=False, return_offsets_mapping=True)
+    ids.extend(enc["input_ids"])
+    mask.extend(_span_mask([(x + a, y + a) for x, y in enc["offset_mapping"]], spans))
+
+
+def _special_ids(tokenizer) -> set[int]:
+    return {i for i in tokenizer.convert_tokens_to_ids(special_strings(tokenizer)) if isinstance(i, int)}
+
+
+def _without_trailing(token_ids: list[int], specials: set[int]) -> list[int]:
+    """The ids without the special tokens that end them (the stop token an engine returns)."""
+    end = len(token_ids)
+    while end and token_ids[end - 1] in specials:
+        end -= 1
+    return list(token_ids[:end])
+
+
+_SPACE = re.compile(r"\s+")
+
+
+def _reply_ids_fit(
+    tokenizer, text: str, start: int, end: int, token_ids: list[int] | None, specials: set[int]
+) -> int | None:
+    """Where the reply's own text ends in the span [start, end) (before the end-of-turn
+    specials the template writes), when its stored `token_ids` decode to that text, or
+    None: no ids, or a template that rewrote the turn (GPT-OSS drops the analysis of
+    earlier turns), whose text the ids are not. Whitespace is not compared: templates
+    trim content the target generated with it."""
+    if not token_ids:
+        return None
+    body_end = end
+    strings = sorted(special_strings(tokenizer), key=len, reverse=True)
+    while True:
+        stripped = text[start:body_end].rstrip()
+        cut = next((s for s in strings if stripped.endswith(s)), None)
+        if cut is None:
+            break
+        body_end = start + len(stripped) - len(cut)
+    decoded = tokenizer.decode(_without_trailing(token_ids, specials), skip_special_tokens=False)
+    if _SPACE.sub("", decoded) != _SPACE.sub("", text[start:body_end]):
+        return None
+    return body_end
+
+
 def _end_of_cut_reply(tokenizer, ids: list[int], mask: list[int]) -> int:
     """Where a reply cut at max_new_tokens ends: after its last trained token that is not
     a special token (the template's end-of-turn tokens come after the content)."""
-    specials = {i for i in tokenizer.convert_tokens_to_ids(special_strings(tokenizer)) if isinstance(i, int)}
+    specials = _special_ids(tokenizer)
     end = max(t for t, m in enumerate(mask) if m) + 1
     while end > 0 and mask[end - 1] and ids[end - 1] in specials:
         end -= 1
@@ -180,7 +271,9 @@ def _span_mask(offsets, spans: list[tuple[int, int]]) -> list[int]:
     return mask
 
 
-def prompt_ids(tokenizer, messages: Conversation) -> list[int]:
-    """Token ids of the conversation so far plus the assistant generation prompt."""
-    text = _render(tokenizer, _template_messages(messages), add_generation_prompt=True)
+def prompt_ids(tokenizer, messages: Conversation, effort: str | None = None) -> list[int]:
+    """Token ids of the conversation so far plus the assistant generation prompt, at the
+    reasoning `effort` (None: the one marked on its assistant turns, if any)."""
+    kwargs = effort_template_kwargs(effort or conversation_effort(messages))
+    text = _render(tokenizer, _template_messages(messages), add_generation_prompt=True, kwargs=kwargs)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

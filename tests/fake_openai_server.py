@@ -1,11 +1,13 @@
 """A small OpenAI-compatible chat server on 127.0.0.1 for the fast tier, backed by a
-tiny target (greedy replies through eyas's own decoder) or by a script of raw completions.
+tiny target (greedy replies through eyas's own decoder) or by a script of raw completions
+(text, or the token ids to return).
 
 It answers as vLLM does where eyas relies on it: `/v1/models`, `/v1/chat/completions`
 with `reasoning_content` (harmony targets, `reasoning: "parsed"`) or raw text,
-`return_token_ids` (`token_ids` on the choice, `prompt_token_ids` on the response), and
-`skip_special_tokens`. Faults for tests: the first `fail_first` requests answer 503;
-`token_ids_unsupported` answers 400 to `return_token_ids`.
+`return_token_ids` (`token_ids` on the choice, `prompt_token_ids` on the response),
+`reasoning_effort` / `chat_template_kwargs`, and `skip_special_tokens`. Faults for tests:
+the first `fail_first` requests answer 503; `token_ids_unsupported` answers 400 to
+`return_token_ids`.
 
 Also a script: `python tests/fake_openai_server.py --target DIR --port N` serves until killed
 (what `data.regenerate.launch` starts in tests).
@@ -66,14 +68,22 @@ class FakeChatServer:
             if body.get("model") != self.name:
                 return 404, {"error": f"model {body.get('model')!r} does not exist"}
             tok = self.tokenizer
+            # as vLLM builds the template arguments from `reasoning_effort`
+            kwargs = dict(body.get("chat_template_kwargs") or {})
+            if body.get("reasoning_effort") is not None:
+                kwargs.setdefault("reasoning_effort", body["reasoning_effort"])
+                kwargs.setdefault("enable_thinking", body["reasoning_effort"] != "none")
             prompt_text = tok.apply_chat_template(
-                body["messages"], tokenize=False, add_generation_prompt=True
+                body["messages"], tokenize=False, add_generation_prompt=True, **kwargs
             )
             prompt = tok(prompt_text, add_special_tokens=False)["input_ids"]
             finish, ended_by = "stop", []
             if self.script is not None:
                 raw = self.script(body["messages"])
-                ids = tok(raw, add_special_tokens=False)["input_ids"]
+                if isinstance(raw, list):  # token ids, e.g. a split the tokenizer would not make
+                    ids, raw, ended_by = raw, tok.decode(raw, skip_special_tokens=False), [tok.eos_token_id]
+                else:
+                    ids = tok(raw, add_special_tokens=False)["input_ids"]
             else:
                 reply = decode_replies_hf(
                     self.model,
