@@ -38,8 +38,11 @@ log = logging.getLogger(__name__)
 
 
 def source_digest(conversation: list[dict]) -> str:
-    """What a reply record was generated from: a digest of the user and system turns."""
+    """What a reply record was generated from: a digest of the user, system and tool turns
+    (and the tool definitions, where there are some)."""
     key = [[m["role"], m["content"]] for m in conversation if m["role"] != "assistant"]
+    if conversation and conversation[0].get("tools"):
+        key.append(conversation[0]["tools"])
     return hashlib.sha256(json.dumps(key, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
@@ -102,12 +105,13 @@ def expected_tokens(conversation: list[dict], first_prompt_tokens: int, max_new_
 
 
 def before_first_reply(conversation: list[dict]) -> list[dict]:
-    """The messages before the first assistant turn: what its reply is generated from."""
+    """The messages before the first assistant turn: what its reply is generated from
+    (the first keeps the conversation's tool definitions)."""
     out = []
     for m in conversation:
         if m["role"] == "assistant":
             break
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append(dict(m))
     return out
 
 

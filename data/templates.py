@@ -12,12 +12,22 @@ glue the target never emits. Templates that rewrite history (Qwen3 drops the thi
 of earlier turns) make Q differ from the full rendering; then the span ends at the first
 special token after the turn's content (its end-of-turn token). The character span is mapped onto
 tokens with the fast tokenizer's offsets: a token is trained when it starts inside it.
+
+Tool conversations (data/tools.py) go to the template with its `tools` argument, adapted
+to what the template renders (data/tool_text.py). An assistant turn that calls tools is a
+span like any other (GPT-OSS's `to=functions.NAME` commentary message, Qwen3-Coder's
+`<tool_call>` XML, Llama 3.1's JSON); tool results and definitions sit in user, tool or
+system text and are never trained. Where a template rewrites a call turn when later turns
+follow (GPT-OSS drops its analysis), the span ends at the first occurrence of the end
+token the turn has when rendered last (`<|call|>`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from eyas.data.tool_text import for_template
 
 Conversation = list[dict]
 
@@ -40,18 +50,23 @@ class Rendered:
     truncated: bool = False
 
 
-def _render(tokenizer, messages: Conversation, add_generation_prompt: bool) -> str:
+def _render(
+    tokenizer, messages: Conversation, add_generation_prompt: bool, tools: list[dict] | None = None
+) -> str:
     try:
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
     except Exception as err:  # jinja raises anything (TemplateError, TypeError, raise_exception)
         raise TemplateError("template_error", str(err)[:200]) from None
 
 
-def _template_messages(messages: Conversation) -> Conversation:
-    """Give templates the reasoning under the names they read (`reasoning_content` for
-    Qwen3, `thinking` for GPT-OSS); templates that know neither ignore them."""
+def _template_messages(tokenizer, messages: Conversation) -> tuple[Conversation, list[dict] | None]:
+    """(messages, tools) for the template: tool turns adapted to what it renders
+    (data/tool_text.py), and the reasoning under the names templates read
+    (`reasoning_content` for Qwen3, `thinking` for GPT-OSS); templates that know neither
+    ignore them."""
+    messages, tools = for_template(tokenizer, messages)
     out = []
     for m in messages:
         m = dict(m)
@@ -60,27 +75,31 @@ def _template_messages(messages: Conversation) -> Conversation:
             m.setdefault("reasoning_content", m["reasoning"])
             m.setdefault("thinking", m["reasoning"])
         out.append(m)
-    return out
+    return out, tools
 
 
 def assistant_char_spans(
     tokenizer, messages: Conversation, train_on: Literal["all", "last"] = "all"
 ) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering and the [start, end) character spans of the trained assistant turns."""
-    messages = _template_messages(messages)
-    full = _render(tokenizer, messages, add_generation_prompt=False)
+    messages, tools = _template_messages(tokenizer, messages)
+    full = _render(tokenizer, messages, add_generation_prompt=False, tools=tools)
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     if train_on == "last":
         turns = turns[-1:]
     spans = []
     for k in turns:
-        prompt = _render(tokenizer, messages[:k], add_generation_prompt=True)
-        if not full.startswith(prompt):
+        prompt = _render(tokenizer, messages[:k], add_generation_prompt=True, tools=tools)
+        start = (
+            len(prompt) if full.startswith(prompt) else _start_by_tail(full, prompt, messages[k - 1], spans)
+        )
+        if start < 0:
             raise TemplateError("template_not_incremental", f"the prompt before turn {k} is not a prefix")
-        start = len(prompt)
-        upto = _render(tokenizer, messages[: k + 1], add_generation_prompt=False)
+        upto = _render(tokenizer, messages[: k + 1], add_generation_prompt=False, tools=tools)
         if full.startswith(upto) and len(upto) > start:
             end = len(upto.rstrip())
+        elif messages[k].get("tool_calls"):
+            end = _end_like_last(tokenizer, full, start, upto)
         else:
             end = _end_by_special(tokenizer, full, start, messages[k])
         if end <= start:
@@ -96,6 +115,36 @@ def special_strings(tokenizer) -> list[str]:
         if getattr(tok, "special", False):
             specials.add(tok.content)
     return [s for s in specials if s]
+
+
+def _start_by_tail(full: str, prompt: str, before: dict, spans: list[tuple[int, int]]) -> int:
+    """For templates that rewrite an earlier turn once later turns follow (GPT-OSS drops
+    the analysis of a tool call answered later): the turn starts after the prompt's tail
+    from the content of the message before it (a user turn or tool result), found in the
+    full rendering after the last span; -1 when it is not there."""
+    content = (before.get("content") or "").strip()
+    at = prompt.rfind(content) if content else -1
+    if at < 0:
+        return -1
+    tail = prompt[at:]
+    found = full.find(tail, spans[-1][1] if spans else 0)
+    return found + len(tail) if found >= 0 else -1
+
+
+def _end_like_last(tokenizer, full: str, start: int, upto: str) -> int:
+    """Where a call turn that the full rendering rewrites ends: at the first occurrence,
+    after `start`, of the special token that ends it when it is rendered last."""
+    tail = upto.rstrip()
+    ends = [sp for sp in special_strings(tokenizer) if tail.endswith(sp)]
+    if not ends:
+        raise TemplateError("template_not_incremental", "a tool-call turn without an end token")
+    end_token = max(ends, key=len)
+    at = full.find(end_token, start)
+    if at < 0:
+        raise TemplateError(
+            "template_not_incremental", "the tool-call turn's end token is not in the rendering"
+        )
+    return at + len(end_token)
 
 
 def _end_by_special(tokenizer, full: str, start: int, message: dict) -> int:
@@ -182,5 +231,6 @@ def _span_mask(offsets, spans: list[tuple[int, int]]) -> list[int]:
 
 def prompt_ids(tokenizer, messages: Conversation) -> list[int]:
     """Token ids of the conversation so far plus the assistant generation prompt."""
-    text = _render(tokenizer, _template_messages(messages), add_generation_prompt=True)
+    messages, tools = _template_messages(tokenizer, messages)
+    text = _render(tokenizer, messages, add_generation_prompt=True, tools=tools)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
