@@ -25,6 +25,7 @@ from typing import Any
 
 from eyas.core.assets import packaged_file
 from eyas.core.hub_ids import looks_like_hub_id
+from eyas.data.bfcl import BFCL_SPLITS, bfcl_rows, is_bfcl
 from eyas.data.humaneval import HUMANEVAL_SPLITS, humaneval_rows, is_humaneval
 from eyas.data.tools import ToolFormatError, link_results, normalize_calls, normalize_tools
 
@@ -340,6 +341,9 @@ def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
     if is_humaneval(source):
         yield from humaneval_rows(source)
         return
+    if is_bfcl(source):
+        yield from bfcl_rows(source)
+        return
     path = sharegpt_path() if source == SHAREGPT_ALIAS else Path(source)
     if path.is_file():
         with open(path, encoding="utf-8", errors="surrogateescape") as f:
@@ -355,7 +359,7 @@ def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
         raise NoUsableDataError(
             f"{source!r}: no such file or directory (a Hub dataset is named "
             f"org/name; the shipped aliases are {SHAREGPT_ALIAS!r} and "
-            f"{', '.join(map(repr, HUMANEVAL_SPLITS))})"
+            f"{', '.join(map(repr, [*HUMANEVAL_SPLITS, *BFCL_SPLITS]))})"
         )
     if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         ds = datasets.load_from_disk(str(path))

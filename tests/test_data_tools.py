@@ -236,3 +236,37 @@ def test_last_turn_only_trains_the_final_answer(make):
     tok = make()
     r = render_with_mask(tok, _conv(), "last")
     assert len(_masked(tok, r)) == 1 and "Oslo 3C." in _masked(tok, r)[0]
+
+
+def test_bfcl_splits_are_disjoint_and_serve_as_data_and_workload(tiny_tokenizer):
+    """BFCL's questions: train and held-out splits by question id, every category read as
+    tool conversations (no drop), multi-turn ones with the results BFCL's own backends
+    return, and the held-out prompts carrying their tools into the rendered prompt."""
+    from eyas.eval.workloads import load_workload, render_turn
+
+    train, report = read_conversations(["bfcl:train"])
+    assert report.kept == report.read == 900 and not report.dropped
+    test = load_workload("bfcl:test", None)
+    assert len(test) == 300 and all(p.tools for p in test)
+    all_ids = [p.id for p in load_workload("bfcl", None)]
+    assert len(all_ids) == len(set(all_ids)) == 1200 and {p.id for p in test} <= set(all_ids)
+    categories = {p.category for p in test}
+    assert categories == {"simple_python", "multiple", "parallel", "parallel_multiple", "multi_turn_base"}
+    # parallel questions: several calls in one turn; multi-turn: results from the backends
+    assert any(len(m.get("tool_calls", [])) > 1 for c in train for m in c)
+    multi = next(c for c in train if sum(m["role"] == "user" for m in c) > 1)
+    results = [m["content"] for m in multi if m["role"] == "tool"]
+    assert results and all(r and "Error during execution" not in r for r in results[:1])
+    # a held-out prompt renders with its tool definitions in the context
+    p = test[0]
+    text = tiny_tokenizer.decode(render_turn(tiny_tokenizer, p, []))
+    assert p.tools[0]["function"]["name"] in text and "<tools>" in text
+
+
+def test_bfcl_train_and_test_split_by_question_number():
+    from eyas.data.bfcl import bfcl_rows
+
+    train = {r["id"] for r in bfcl_rows("bfcl:train")}
+    test = {r["id"] for r in bfcl_rows("bfcl:test")}
+    assert not train & test and len(train) == 900 and len(test) == 300
+    assert all(int(i.rsplit("_", 1)[1]) % 4 == 0 for i in test)
