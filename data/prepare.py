@@ -142,6 +142,9 @@ def prepare(recipe, out_dir: Path | None = None, tokenizer=None, target=None, pr
             recipe.target.name_or_path, recipe.target.revision, recipe.target.trust_remote_code
         )
         conversations = regenerate(conversations, tokenizer, out_dir / RunPaths.REGENERATED, **kwargs)
+        # a conversation that ended where the target's tool calls left the record is kept, cut
+        if report.token_checks.get("tool_divergence"):
+            report.repaired["tool_divergence"] += report.token_checks.pop("tool_divergence")
         if report.token_checks:
             log.info("regenerated turns against the server's token ids: %s", dict(report.token_checks))
         # Regeneration ends a conversation before a prompt too long to fit max_length, or

@@ -9,7 +9,10 @@ keeps it and never asks for it again. Transport errors, 429 and 5xx are retried 
 exponential backoff; any other answer is an error naming the URL and what it said.
 
 Replies: `reasoning_content` / `reasoning` (vLLM's reasoning parsers) become the turn's
-reasoning; raw harmony or think-tagged content is split by data/reasoning.py. Where the
+reasoning; raw harmony or think-tagged content is split by data/reasoning.py. A tool
+conversation is sent with its `tools`; a reply's calls come from the server's tool parser
+(`tool_calls`) or, for a server without one, from the raw text by the parser the hf
+backend uses; recorded results are replayed only after the same calls (data/tools.py). Where the
 server returns token ids (vLLM's `return_token_ids`), the prompt it built and the reply
 it generated are compared with eyas's own rendering, and mismatches are counted.
 """
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 
 from eyas.data.reasoning import assistant_message, is_empty_reply
 from eyas.data.templates import TemplateError, prompt_ids, render_with_mask, special_strings
+from eyas.data.tool_text import as_served, calls_mode
+from eyas.data.tools import copy_until_reply, openai_messages
 
 log = logging.getLogger(__name__)
 
@@ -133,9 +138,12 @@ class ChatClient:
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    async def chat(self, messages: list[dict]) -> dict:
-        """One reply: the choice's message and, where given, `token_ids` / `prompt_token_ids`."""
+    async def chat(self, history: list[dict]) -> dict:
+        """One reply: the choice's message and, where given, `token_ids` / `prompt_token_ids`.
+        `history` is eyas's conversation so far: it goes out as OpenAI messages, with the
+        `tools` its first message carries (data/tools.py)."""
         url = min(self.in_flight, key=self.in_flight.get)
+        messages, tools = openai_messages(history)
         body = {
             "model": await self.resolve_model(),
             "messages": messages,
@@ -146,6 +154,8 @@ class ChatClient:
             # raw harmony keeps its channel tokens when no reasoning parser splits them
             "skip_special_tokens": False,
         }
+        if tools:
+            body["tools"] = tools
         if self.token_ids:
             body["return_token_ids"] = True
         self.in_flight[url] += 1
@@ -200,11 +210,16 @@ async def _regenerate_all(
         nonlocal tokens, replies
         history: list[dict] = []
         checks: dict[str, int] = {}
+        conv, pos = as_served(tokenizer, conversations[i]), 0
+        parse_calls = calls_mode(tokenizer, conv)
         async with sem:
-            for m in conversations[i]:
-                if m["role"] != "assistant":
-                    history.append({"role": m["role"], "content": m["content"]})
-                    continue
+            while True:
+                pos, stop = copy_until_reply(conv, pos, history)
+                if stop:
+                    checks["tool_divergence"] = 1
+                if stop or pos >= len(conv):
+                    break
+                pos += 1
                 own_prompt = prompt_ids(
                     tokenizer, history
                 )  # rendered once: the length cap and the token check
@@ -216,6 +231,8 @@ async def _regenerate_all(
                     msg.get("content") or "",
                     msg.get("reasoning_content") or msg.get("reasoning"),
                     finish_reason=out["finish_reason"],
+                    tool_calls=msg.get("tool_calls") if parse_calls else None,
+                    parse_calls=parse_calls,
                 )
                 tokens += int(out["completion_tokens"] or 0)
                 replies += 1

@@ -150,3 +150,21 @@ def for_template(tokenizer, conv: Conversation) -> tuple[Conversation, list[dict
     if support == "single":
         messages = split_parallel_calls(messages)
     return messages, tools
+
+
+def as_served(tokenizer, conv: Conversation) -> Conversation:
+    """A recorded conversation as the target would live it, for regeneration: parallel
+    calls become call/result pairs where the template renders one call per turn, so the
+    target's single call can match the recorded one and its result be replayed."""
+    if conversation_tools(conv) and tool_support(tokenizer) == "single":
+        return split_parallel_calls(conv)
+    return conv
+
+
+def calls_mode(tokenizer, conv: Conversation) -> str | None:
+    """How to read tool calls in this conversation's generated replies (data/reasoning.py
+    `parse_calls`): None when it offers no tools, "tagged" for the text form, "json"
+    where the template renders calls itself (a bare JSON call is one then)."""
+    if not conversation_tools(conv):
+        return None
+    return "tagged" if tool_support(tokenizer) == "text" else "json"

@@ -134,13 +134,12 @@ def has_tool_turns(conv: Conversation) -> bool:
 
 def openai_messages(conv: Conversation) -> tuple[list[dict], list[dict] | None]:
     """(messages, tools) as an OpenAI chat request wants them: call arguments as JSON text,
-    eyas's own keys (`finish_reason`, `reasoning`, `token_ids`) left out, reasoning sent as
-    `reasoning_content` (vLLM's name)."""
+    eyas's own marks (`finish_reason`, `token_ids`) left out."""
     out = []
     for m in without_tools(conv):
         msg = {"role": m["role"], "content": m.get("content") or ""}
         if m.get("reasoning"):
-            msg["reasoning_content"] = m["reasoning"]
+            msg["reasoning"] = m["reasoning"]
         if m.get("tool_calls"):
             msg["tool_calls"] = [
                 {
@@ -171,3 +170,40 @@ def same_calls(a: list[dict] | None, b: list[dict] | None) -> bool:
         )
 
     return key(a) == key(b)
+
+
+def _call_key(call: dict) -> tuple[str, str]:
+    return call["function"]["name"], json.dumps(call["function"]["arguments"], sort_keys=True)
+
+
+def copy_until_reply(conv: Conversation, pos: int, history: Conversation) -> tuple[int, bool]:
+    """Regeneration's walk over a recorded conversation: copy the messages from `pos` into
+    `history` (which ends with the target's own replies) up to the next recorded
+    assistant turn -> (its index, or len(conv) at the end; whether to stop here).
+
+    Recorded tool results are replayed only when the target's last reply made the same
+    calls as the recorded turn they answer (same functions, same arguments; ids taken
+    from the target's calls); otherwise, and when the target called tools but the record
+    goes on without results, the conversation stops: a `tool_divergence` (results for
+    calls the target did not make would teach the head a context it never sees)."""
+    while pos < len(conv) and conv[pos]["role"] != "assistant":
+        m = conv[pos]
+        mine = history[-1] if history and history[-1]["role"] == "assistant" else None
+        if m["role"] == "tool":
+            recorded = next(c for c in reversed(conv[:pos]) if c["role"] == "assistant")
+            if mine is None and history and history[-1]["role"] == "tool":
+                mine = next(c for c in reversed(history) if c["role"] == "assistant")
+            if mine is None or not same_calls(recorded.get("tool_calls"), mine.get("tool_calls")):
+                return pos, True
+            ids = {_call_key(c): c["id"] for c in mine["tool_calls"]}
+            by_id = {c["id"]: _call_key(c) for c in recorded["tool_calls"]}
+            key = by_id.get(m.get("tool_call_id"))
+            history.append({**m, "tool_call_id": ids.get(key, m.get("tool_call_id"))})
+        else:
+            if mine is not None and mine.get("tool_calls"):
+                return pos, True  # the target called tools; the record has no results for them
+            history.append(dict(m))
+        pos += 1
+    if pos < len(conv) and history and history[-1]["role"] == "assistant" and history[-1].get("tool_calls"):
+        return pos, True  # the record answers with text where the target awaits results
+    return pos, False
