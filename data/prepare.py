@@ -27,6 +27,7 @@ import torch
 
 from eyas.data.conversations import DropReport, NoUsableDataError, read_conversations
 from eyas.data.templates import TemplateError, render_with_mask
+from eyas.data.tool_text import as_served
 from eyas.recipe import RunPaths
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def render_all(
     ids, masks, kept = [], [], []
     for i, conv in enumerate(tqdm(conversations, desc="render", unit="conv", disable=not progress)):
         samples, failed = [], []
-        for messages, mode in conversation_samples(conv, train_on):
+        for messages, mode in conversation_samples(tokenizer, conv, train_on):
             try:
                 samples.append(render_with_mask(tokenizer, messages, mode, max_length, truncate=truncate))
             except TemplateError as err:
@@ -75,13 +76,16 @@ def render_all(
     return ids, masks, kept
 
 
-def conversation_samples(conversation: list[dict], train_on: str) -> list[tuple[list[dict], str]]:
+def conversation_samples(tokenizer, conversation: list[dict], train_on: str) -> list[tuple[list[dict], str]]:
     """The (messages, render_with_mask's train_on) of each sample a conversation makes:
     itself, or with `turns` each prefix that ends at an assistant turn, its last turn
-    trained."""
+    trained after its serving prompt (render_with_mask's `turn`). The turns are those
+    the target serves: where its template renders one call per turn, recorded parallel
+    calls are call/result pairs first (data/tool_text.py)."""
     if train_on != "turns":
         return [(conversation, train_on)]
-    return [(conversation[: k + 1], "last") for k, m in enumerate(conversation) if m["role"] == "assistant"]
+    served = as_served(tokenizer, conversation)
+    return [(served[: k + 1], "turn") for k, m in enumerate(served) if m["role"] == "assistant"]
 
 
 def drop_repeated_samples(
@@ -194,6 +198,9 @@ def prepare(recipe, out_dir: Path | None = None, tokenizer=None, target=None, pr
             recipe.target.name_or_path, recipe.target.revision, recipe.target.trust_remote_code
         )
         conversations = regenerate(conversations, tokenizer, out_dir / RunPaths.REGENERATED, **kwargs)
+        # a conversation that ended where the target's tool calls left the record is kept, cut
+        if report.token_checks.get("tool_divergence"):
+            report.repaired["tool_divergence"] += report.token_checks.pop("tool_divergence")
         if report.token_checks:
             log.info("regenerated turns against the server's token ids: %s", dict(report.token_checks))
         # Regeneration ends a conversation before a prompt too long to fit max_length, or

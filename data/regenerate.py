@@ -39,15 +39,20 @@ from eyas.data.reasoning import (
     is_harmony_tokenizer,
 )
 from eyas.data.templates import prompt_ids
+from eyas.data.tool_text import as_served, calls_mode
+from eyas.data.tools import copy_until_reply
 
 log = logging.getLogger(__name__)
 
 
 def source_digest(conversation: list[dict], settings: dict | None = None) -> str:
-    """What a reply record was generated from: a digest of the user and system turns and
-    of the regeneration `settings` (sampling, length, seed, effort), so a record made
-    under other settings is never taken for one of these."""
+    """What a reply record was generated from: a digest of the user, system and tool turns
+    (and the tool definitions, where there are some) and of the regeneration `settings`
+    (sampling, length, seed, effort), so a record made under other settings is never
+    taken for one of these."""
     key = [[m["role"], m["content"]] for m in conversation if m["role"] != "assistant"]
+    if conversation and conversation[0].get("tools"):
+        key.append(conversation[0]["tools"])
     if settings:
         key.append(sorted(settings.items()))
     return hashlib.sha256(json.dumps(key, ensure_ascii=False).encode()).hexdigest()[:16]
@@ -115,12 +120,13 @@ def expected_tokens(conversation: list[dict], first_prompt_tokens: int, max_new_
 
 
 def before_first_reply(conversation: list[dict]) -> list[dict]:
-    """The messages before the first assistant turn: what its reply is generated from."""
+    """The messages before the first assistant turn: what its reply is generated from
+    (the first keeps the conversation's tool definitions)."""
     out = []
     for m in conversation:
         if m["role"] == "assistant":
             break
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append(dict(m))
     return out
 
 
@@ -285,24 +291,29 @@ def _regenerate_hf(
     target_name,
     efforts,
 ) -> None:
-    """The hf backend: batches of conversations, turn t of every one decoded together."""
+    """The hf backend: batches of conversations, the next reply of every one decoded together."""
+    parse_calls = {i: calls_mode(tokenizer, conversations[i]) for i in todo}
+    served = {i: as_served(tokenizer, conversations[i]) for i in todo}
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
         histories = {i: [] for i in batch}
         fed: dict[int, tuple[list[int], torch.Tensor]] = {}  # conversation -> its last kept reply's call
+        pos = dict.fromkeys(batch, 0)  # each conversation's next recorded message
+        diverged: set[int] = set()
         alive = set(batch)
-        max_turns = max(len(conversations[i]) for i in batch)
-        for t in range(max_turns):
-            # Turn t of every conversation in the batch: copy user/system turns, generate assistant ones.
+        while alive:
+            # The next reply of every live conversation in the batch: copy the recorded
+            # messages before it (tool results only where the target made the same calls).
             need = []
-            for i in batch:
-                conv = conversations[i]
-                if i not in alive or t >= len(conv):
-                    continue
-                if conv[t]["role"] == "assistant":
-                    need.append(i)
+            for i in [i for i in batch if i in alive]:
+                pos[i], stop = copy_until_reply(served[i], pos[i], histories[i])
+                if stop:
+                    diverged.add(i)
+                if stop or pos[i] >= len(served[i]):
+                    alive.discard(i)
                 else:
-                    histories[i].append({"role": conv[t]["role"], "content": conv[t]["content"]})
+                    need.append(i)
+                    pos[i] += 1
             if not need:
                 continue
             # A conversation's first prompt was tokenised for sorting; later ones are built here.
@@ -326,7 +337,8 @@ def _regenerate_hf(
                 state_layer_ids=state_layer_ids if states_dir is not None else None,
             )
             replies = [
-                decoded_reply(tokenizer, d.token_ids, d.finished, efforts[i]) for i, d in zip(need, decoded)
+                decoded_reply(tokenizer, d.token_ids, d.finished, parse_calls.get(i), efforts[i])
+                for i, d in zip(need, decoded)
             ]
             fed.update(
                 (i, (d.fed_ids, d.states))
@@ -351,6 +363,6 @@ def _regenerate_hf(
                 target_name,
             )
         for i in batch:
-            writer.write(i, histories[i])
+            writer.write(i, histories[i], {"tool_divergence": 1} if i in diverged else None)
         writer.sync()
         advance(batch)

@@ -9,7 +9,10 @@ keeps it and never asks for it again. Transport errors, 429 and 5xx are retried 
 exponential backoff; any other answer is an error naming the URL and what it said.
 
 Replies: `reasoning_content` / `reasoning` (vLLM's reasoning parsers) become the turn's
-reasoning; raw harmony or think-tagged content is split by data/reasoning.py. Where the
+reasoning; raw harmony or think-tagged content is split by data/reasoning.py. A tool
+conversation is sent with its `tools`; a reply's calls come from the server's tool parser
+(`tool_calls`) or, for a server without one, from the raw text by the parser the hf
+backend uses; recorded results are replayed only after the same calls (data/tools.py). Where the
 server returns token ids (vLLM's `return_token_ids`), the prompt it built and the reply
 it generated are compared with eyas's own rendering, and mismatches are counted.
 """
@@ -26,7 +29,9 @@ from dataclasses import dataclass
 
 from eyas.core.engine_process import server_root
 from eyas.data.reasoning import assistant_message, effort_template_kwargs, is_empty_reply, mark_effort
-from eyas.data.templates import EYAS_MARKS, TemplateError, prompt_ids, render_with_mask, special_strings
+from eyas.data.templates import TemplateError, prompt_ids, render_with_mask, special_strings
+from eyas.data.tool_text import as_served, calls_mode
+from eyas.data.tools import copy_until_reply, openai_messages
 
 log = logging.getLogger(__name__)
 
@@ -134,14 +139,17 @@ class ChatClient:
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    async def chat(self, messages: list[dict], effort: str | None = None, seed: int | None = None) -> dict:
+    async def chat(self, history: list[dict], effort: str | None = None, seed: int | None = None) -> dict:
         """One reply: the choice's message and, where given, `token_ids` / `prompt_token_ids`.
-        `effort`: the reasoning effort, sent as vLLM's `reasoning_effort` and as the
-        template arguments it stands for (for servers that only pass `chat_template_kwargs`)."""
+        `history` is eyas's conversation so far: it goes out as OpenAI messages, with the
+        `tools` its first message carries (data/tools.py). `effort`: the reasoning effort,
+        sent as vLLM's `reasoning_effort` and as the template arguments it stands for (for
+        servers that only pass `chat_template_kwargs`)."""
         url = min(self.in_flight, key=self.in_flight.get)
+        messages, tools = openai_messages(history)
         body = {
             "model": await self.resolve_model(),
-            "messages": [{k: v for k, v in m.items() if k not in EYAS_MARKS} for m in messages],
+            "messages": messages,
             "max_tokens": self.s.max_new_tokens,
             "temperature": self.s.temperature,
             "top_p": self.s.top_p,
@@ -152,6 +160,8 @@ class ChatClient:
         if effort is not None:
             body["reasoning_effort"] = effort
             body["chat_template_kwargs"] = effort_template_kwargs(effort)
+        if tools:
+            body["tools"] = tools
         if self.token_ids:
             body["return_token_ids"] = True
         self.in_flight[url] += 1
@@ -207,11 +217,16 @@ async def _regenerate_all(
         nonlocal tokens, replies
         history: list[dict] = []
         checks: dict[str, int] = {}
+        conv, pos = as_served(tokenizer, conversations[i]), 0
+        parse_calls = calls_mode(tokenizer, conv)
         async with sem:
-            for m in conversations[i]:
-                if m["role"] != "assistant":
-                    history.append({"role": m["role"], "content": m["content"]})
-                    continue
+            while True:
+                pos, stop = copy_until_reply(conv, pos, history)
+                if stop:
+                    checks["tool_divergence"] = 1
+                if stop or pos >= len(conv):
+                    break
+                pos += 1
                 # rendered once: the length cap and the token check
                 own_prompt = prompt_ids(tokenizer, history, efforts[i])
                 if max_prompt_tokens is not None and len(own_prompt) > max_prompt_tokens:
@@ -225,6 +240,8 @@ async def _regenerate_all(
                     msg.get("content") or "",
                     msg.get("reasoning_content") or msg.get("reasoning"),
                     finish_reason=out["finish_reason"],
+                    tool_calls=msg.get("tool_calls") if parse_calls else None,
+                    parse_calls=parse_calls,
                 )
                 mark_effort(reply, efforts[i])
                 if (

@@ -195,3 +195,39 @@ def test_sampled_replies_are_seeded(tiny_llama_dir, tmp_path):
 
     assert run(0, "a.jsonl") == run(0, "b.jsonl")
     assert run(0, "a.jsonl") != run(1, "c.jsonl")
+
+
+def test_the_hf_backend_prompts_and_marks_each_conversation_at_its_effort(tiny_llama_dir, tmp_path):
+    from eyas.data.decode import decode_replies_hf
+    from eyas.target.load import load_target
+
+    tiny = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    tok = tiny.tokenizer
+    # a template that shows the effort, as GPT-OSS's system message does
+    tok.chat_template = (
+        "Reasoning: {{ reasoning_effort | default('medium') }}\n"
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    mix = {"low": 0.5, "high": 0.5}
+    got = regenerate(
+        _convs(6),
+        tok,
+        tmp_path / "r.jsonl",
+        model=tiny.model,
+        batch_size=1,
+        max_new_tokens=4,
+        reasoning_effort=mix,
+        seed=2,
+        progress=False,
+    )
+    efforts = draw_efforts(mix, 6, seed=2)
+    assert set(efforts) == {"low", "high"}
+    for conv, effort in zip(got, efforts):
+        reply = conv[-1]
+        assert reply["reasoning_effort"] == effort
+        prompt = prompt_ids(tok, conv[:1], effort)
+        assert tok.decode(prompt).startswith(f"Reasoning: {effort}\n")
+        (want,) = decode_replies_hf(tiny.model, tok, [prompt], 4, 0.0, 1.0)
+        assert reply["token_ids"] == want.token_ids  # generated from the prompt at its effort
+        assert render_with_mask(tok, conv, "last").text.startswith(f"Reasoning: {effort}\n")

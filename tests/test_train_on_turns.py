@@ -119,3 +119,31 @@ def test_prepare_splits_turn_samples_by_conversation(tiny_llama_dir, tmp_path):
     assert (freqs <= freqs_all).all() and freqs.sum() > 0
     prompts = (tmp_path / "turns" / "prepared" / "eval_prompts.jsonl").read_text().splitlines()
     assert len(prompts) == len(eval_c)  # one eval prompt per held-out conversation
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "qwen3-coder"])
+def test_tool_conversations_make_a_sample_per_turn_calls_trained_results_not(family):
+    from real_formats import qwen3_coder_tokenizer
+    from test_data_tools import OPENAI_ROW
+
+    from eyas.data.conversations import normalize_row
+    from eyas.data.templates import prompt_ids
+    from eyas.data.tool_text import as_served
+
+    tok = gpt_oss_tokenizer() if family == "gpt-oss" else qwen3_coder_tokenizer()
+    conv, why = normalize_row(OPENAI_ROW)
+    assert why is None
+    ids, masks, kept = render_all(tok, [conv], 8192, "turns", DropReport(read=1, kept=1), progress=False)
+    # the turns the target serves: GPT-OSS makes one call per turn, so the parallel calls
+    # are two turns there (call, result, call, result), one for Qwen3-Coder
+    served = as_served(tok, conv)
+    turns = [k for k, m in enumerate(served) if m["role"] == "assistant"]
+    assert len(turns) == (5 if family == "gpt-oss" else 4) and kept == [0] * len(turns)
+    for k, sample, mask in zip(turns, ids, masks):
+        # the context is the prompt regeneration sends for turn k (tools and results included)
+        assert sample[: mask.index(1)] == prompt_ids(tok, served[:k])
+        trained = tok.decode([t for t, m in zip(sample, mask) if m], skip_special_tokens=False)
+        assert "RESULT_" not in trained and "Weather of a city" not in trained
+        if served[k].get("tool_calls"):
+            assert ("to=functions.get_weather" if family == "gpt-oss" else "<tool_call>") in trained
+            assert all(c["function"]["arguments"]["city"] in trained for c in served[k]["tool_calls"])
