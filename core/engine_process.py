@@ -35,10 +35,18 @@ def _log_tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
+def server_root(url: str) -> str:
+    """A server URL as eyas appends `/v1/...` to it: `http://host:8000/v1` (the OpenAI
+    client's base URL, as vLLM's docs write it) and `http://host:8000/` both give
+    `http://host:8000`."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
 def answers(base_url: str, timeout: float = 5.0) -> bool:
     """Whether an OpenAI-compatible server at `base_url` lists its models."""
     try:
-        with urllib.request.urlopen(base_url.rstrip("/") + "/v1/models", timeout=timeout) as resp:
+        with urllib.request.urlopen(server_root(base_url) + "/v1/models", timeout=timeout) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False

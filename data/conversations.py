@@ -2,8 +2,9 @@
 of `role`/`content`), JSON arrays, JSONL, local dataset directories and `datasets` names.
 
 Every reader yields normalised conversations: a list of `{"role": "system"|"user"|
-"assistant", "content": str}` dicts (an assistant turn may also carry `"reasoning"`,
-the thinking/analysis text, which templates that know it render). Rows that cannot be
+"assistant"|"tool", "content": str}` dicts (an assistant turn may also carry `"reasoning"`,
+the thinking/analysis text, which templates that know it render, and `"tool_calls"`; a
+tool conversation's definitions ride on its first message: data/tools.py). Rows that cannot be
 used are skipped and counted by reason in a `DropReport`, never raised, because real
 corpora are dirty (the shipped ShareGPT file is even cut off mid-record). Files are read
 with undecodable bytes kept apart (`surrogateescape`), so a row holding bytes that are not
@@ -24,7 +25,9 @@ from typing import Any
 
 from eyas.core.assets import packaged_file
 from eyas.core.hub_ids import looks_like_hub_id
+from eyas.data.bfcl import BFCL_SPLITS, bfcl_rows, is_bfcl
 from eyas.data.humaneval import HUMANEVAL_SPLITS, humaneval_rows, is_humaneval
+from eyas.data.tools import ToolFormatError, link_results, normalize_calls, normalize_tools
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,14 @@ _ROLE_MAP = {
     "chatgpt": "assistant",
     "model": "assistant",
     "system": "system",
+    # tool results: OpenAI `tool`, ShareGPT-style `observation`, Llama's `ipython`
+    "tool": "tool",
+    "observation": "tool",
+    "ipython": "tool",
+    "function": "tool",
 }
+# ShareGPT-style tool datasets write the assistant's call as its own turn, its JSON as the value.
+_CALL_ROLES = {"function_call", "tool_call", "tool_calls"}
 
 
 # What `surrogateescape` makes of a byte that is not UTF-8 (and what a JSON "\\udcXX" escape
@@ -321,46 +331,82 @@ def normalize_row(
         turns, role_key, text_key = row["messages"], "role", "content"
     else:
         return None, "unrecognized_format"
-    conv: Conversation = []
-    fixed = False
-    for turn in turns:
-        if not isinstance(turn, dict):
-            return None, "not_an_object"
-        role = _ROLE_MAP.get(str(turn.get(role_key, turn.get("role", ""))).lower())
-        if role is None:
-            return None, "unknown_role"
-        text = _text(turn.get(text_key, turn.get("content")))
-        if text is None:
-            return None, "non_text"
-        reasoning = turn.get("reasoning_content", turn.get("reasoning", turn.get("thinking")))
-        if _UNDECODABLE.search(text) or (isinstance(reasoning, str) and _UNDECODABLE.search(reasoning)):
-            if bad_encoding != "replace":
-                return None, "bad_encoding"
-            fixed = True
-            text = _UNDECODABLE.sub("\ufffd", text)
-            reasoning = _UNDECODABLE.sub("\ufffd", reasoning) if isinstance(reasoning, str) else reasoning
-        if not text.strip() and not (
-            role == "assistant" and isinstance(reasoning, str) and reasoning.strip()
-        ):
-            return None, "empty_turn"
-        msg = {"role": role, "content": text}
-        if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
-            msg["reasoning"] = reasoning
-        conv.append(msg)
-    # Trailing user/system turns carry no loss and some templates reject them.
+    try:
+        conv, fixed = _messages(turns, role_key, text_key, bad_encoding)
+        tools = normalize_tools(row.get("tools"))
+        link_results(conv)
+    except ToolFormatError as err:
+        return None, err.reason
+    # Trailing user/system/tool turns carry no loss and some templates reject them.
     while conv and conv[-1]["role"] != "assistant":
         conv.pop()
     if not conv:
         return None, "no_assistant_turn"
     system = [m for m in conv if m["role"] == "system"][:1]
     rest = [m for m in conv if m["role"] != "system"]
-    while rest and rest[0]["role"] == "assistant":
+    # A leading assistant turn (and the results of its calls) has no prompt to condition on.
+    while rest and rest[0]["role"] in ("assistant", "tool"):
         rest.pop(0)
     if not any(m["role"] == "assistant" for m in rest):
         return None, "no_assistant_turn"
+    conv = system + rest
+    if tools:
+        conv[0]["tools"] = tools
     if fixed and repaired is not None:
         repaired["bad_encoding_replaced"] += 1
-    return system + rest, None
+    return conv, None
+
+
+def _messages(turns: list, role_key: str, text_key: str, bad_encoding: str) -> tuple[Conversation, bool]:
+    """The turns of one row as messages -> (messages, whether bytes were replaced); a turn
+    that cannot be used raises `ToolFormatError` with the row's drop reason."""
+    conv: Conversation = []
+    fixed = False
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise ToolFormatError("not_an_object")
+        name = str(turn.get(role_key, turn.get("role", ""))).lower()
+        raw = turn.get(text_key, turn.get("content"))
+        if name in _CALL_ROLES:
+            # merged into the assistant turn before it when that turn has no calls yet
+            calls = normalize_calls(raw, sum(len(m.get("tool_calls", [])) for m in conv))
+            if conv and conv[-1]["role"] == "assistant" and not conv[-1].get("tool_calls"):
+                conv[-1]["tool_calls"] = calls
+            else:
+                conv.append({"role": "assistant", "content": "", "tool_calls": calls})
+            continue
+        role = _ROLE_MAP.get(name)
+        if role is None:
+            raise ToolFormatError("unknown_role")
+        calls = turn.get("tool_calls") if role == "assistant" else None
+        if calls:
+            calls = normalize_calls(calls, sum(len(m.get("tool_calls", [])) for m in conv))
+        if role == "tool" and isinstance(raw, (dict, list)) and _text(raw) is None:
+            raw = json.dumps(raw, ensure_ascii=False)  # a structured result, shown as JSON
+        text = "" if raw is None and (calls or role == "tool") else _text(raw)
+        if text is None:
+            raise ToolFormatError("non_text")
+        reasoning = turn.get("reasoning_content", turn.get("reasoning", turn.get("thinking")))
+        if _UNDECODABLE.search(text) or (isinstance(reasoning, str) and _UNDECODABLE.search(reasoning)):
+            if bad_encoding != "replace":
+                raise ToolFormatError("bad_encoding")
+            fixed = True
+            text = _UNDECODABLE.sub("\ufffd", text)
+            reasoning = _UNDECODABLE.sub("\ufffd", reasoning) if isinstance(reasoning, str) else reasoning
+        has_reasoning = role == "assistant" and isinstance(reasoning, str) and reasoning.strip()
+        if not text.strip() and not has_reasoning and not calls and role != "tool":
+            raise ToolFormatError("empty_turn")
+        msg = {"role": role, "content": text}
+        if has_reasoning:
+            msg["reasoning"] = reasoning
+        if calls:
+            msg["tool_calls"] = calls
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if isinstance(turn.get(key), str) and turn[key]:
+                    msg[key] = turn[key]
+        conv.append(msg)
+    return conv, fixed
 
 
 def _turns_of(row: dict) -> list:
@@ -371,6 +417,9 @@ def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
     """Raw rows of one source: an alias, a .json/.jsonl file, a dataset dir, or a `datasets` name."""
     if is_humaneval(source):
         yield from humaneval_rows(source)
+        return
+    if is_bfcl(source):
+        yield from bfcl_rows(source)
         return
     path = sharegpt_path() if source == SHAREGPT_ALIAS else Path(source)
     if path.is_file():
@@ -389,7 +438,7 @@ def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
         raise NoUsableDataError(
             f"{source!r}: no such file or directory (a Hub dataset is named "
             f"org/name; the shipped aliases are {SHAREGPT_ALIAS!r} and "
-            f"{', '.join(map(repr, HUMANEVAL_SPLITS))})"
+            f"{', '.join(map(repr, [*HUMANEVAL_SPLITS, *BFCL_SPLITS]))})"
         )
     if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         ds = datasets.load_from_disk(str(path))

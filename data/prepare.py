@@ -27,6 +27,7 @@ import torch
 
 from eyas.data.conversations import DropReport, NoUsableDataError, read_conversations
 from eyas.data.templates import TemplateError, render_with_mask
+from eyas.data.tool_text import as_served
 from eyas.recipe import RunPaths
 
 log = logging.getLogger(__name__)
@@ -42,26 +43,81 @@ def render_all(
     truncate: bool = False,
     origins: list[str | None] | None = None,
 ) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    """Render every conversation -> (input ids, loss masks, index of each rendered
+    """Render every conversation -> (input ids, loss masks, index of each sample's
     conversation in `conversations`). Failures are dropped and counted on `report` (named
     by `origins[i]`, where conversation i was read, when given); the samples cut to
-    `max_length` (with `truncate`) are counted too."""
+    `max_length` (with `truncate`) are counted too.
+
+    `train_on="turns"` makes a sample of each assistant turn (DESIGN §2.1): the
+    conversation up to it, rendered as the template renders it when serving that turn, the
+    turn alone trained. A conversation is dropped (and counted by reason) when none of its
+    turns renders; a turn dropped from a kept conversation is counted in `repaired` as
+    `turns_dropped_<reason>`."""
     from tqdm.auto import tqdm
 
     ids, masks, kept = [], [], []
     for i, conv in enumerate(tqdm(conversations, desc="render", unit="conv", disable=not progress)):
-        try:
-            r = render_with_mask(tokenizer, conv, train_on, max_length, truncate=truncate)
-        except TemplateError as err:
+        samples, failed = [], []
+        for messages, mode in conversation_samples(tokenizer, conv, train_on):
+            try:
+                samples.append(render_with_mask(tokenizer, messages, mode, max_length, truncate=truncate))
+            except TemplateError as err:
+                failed.append(err.reason)
+        if not samples:
             report.kept -= 1
-            report.drop(err.reason, where=origins[i] if origins else None)
+            report.drop(failed[0], where=origins[i] if origins else None)
             continue
-        if r.truncated:
-            report.repaired["truncated_to_max_length"] += 1
-        ids.append(r.input_ids)
-        masks.append(r.loss_mask)
-        kept.append(i)
+        for reason in failed:
+            report.repaired[f"turns_dropped_{reason}"] += 1
+        for r in samples:
+            if r.truncated:
+                report.repaired["truncated_to_max_length"] += 1
+            ids.append(r.input_ids)
+            masks.append(r.loss_mask)
+            kept.append(i)
     return ids, masks, kept
+
+
+def conversation_samples(tokenizer, conversation: list[dict], train_on: str) -> list[tuple[list[dict], str]]:
+    """The (messages, render_with_mask's train_on) of each sample a conversation makes:
+    itself, or with `turns` each prefix that ends at an assistant turn, its last turn
+    trained after its serving prompt (render_with_mask's `turn`). The turns are those
+    the target serves: where its template renders one call per turn, recorded parallel
+    calls are call/result pairs first (data/tool_text.py)."""
+    if train_on != "turns":
+        return [(conversation, train_on)]
+    served = as_served(tokenizer, conversation)
+    return [(served[: k + 1], "turn") for k, m in enumerate(served) if m["role"] == "assistant"]
+
+
+def drop_repeated_samples(
+    ids: list[list[int]], masks: list[list[int]], kept: list[int]
+) -> tuple[list[list[int]], list[list[int]], list[int], int]:
+    """The samples without those equal, tokens and mask, to an earlier one -> (ids, masks,
+    kept, number dropped). With `train_on: turns` two conversations that open alike (the
+    same first question, the target's same reply) make the same first sample."""
+    seen, out = set(), ([], [], [])
+    for sample in zip(ids, masks, kept):
+        key = hashlib.sha256(repr((sample[0], sample[1])).encode()).digest()
+        if key in seen:
+            continue
+        seen.add(key)
+        for column, value in zip(out, sample):
+            column.append(value)
+    return (*out, len(ids) - len(out[0]))
+
+
+def split_by_conversation(kept: list[int], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """`split_indices` over conversations, not samples: every sample of a conversation goes
+    to the split its conversation goes to, so no turn of a held-out conversation is trained
+    on. With one sample per conversation it is `split_indices` over the samples."""
+    groups = list(dict.fromkeys(kept))
+    train_groups, _ = split_indices(len(groups), eval_fraction, seed)
+    train = {groups[g] for g in train_groups}
+    return (
+        [i for i, c in enumerate(kept) if c in train],
+        [i for i, c in enumerate(kept) if c not in train],
+    )
 
 
 def keep_first_turns(conversation: list[dict], max_turns: int) -> list[dict]:
@@ -143,6 +199,9 @@ def prepare(recipe, out_dir: Path | None = None, tokenizer=None, target=None, pr
             recipe.target.name_or_path, recipe.target.revision, recipe.target.trust_remote_code
         )
         conversations = regenerate(conversations, tokenizer, out_dir / RunPaths.REGENERATED, **kwargs)
+        # a conversation that ended where the target's tool calls left the record is kept, cut
+        if report.token_checks.get("tool_divergence"):
+            report.repaired["tool_divergence"] += report.token_checks.pop("tool_divergence")
         if report.token_checks:
             log.info("regenerated turns against the server's token ids: %s", dict(report.token_checks))
         # Regeneration ends a conversation before a prompt too long to fit max_length, or
@@ -168,11 +227,15 @@ def prepare(recipe, out_dir: Path | None = None, tokenizer=None, target=None, pr
         truncate=cfg.over_length == "truncate",
         origins=report.kept_rows,
     )
+    if cfg.train_on == "turns" and cfg.dedupe:
+        ids, masks, kept, repeated = drop_repeated_samples(ids, masks, kept)
+        if repeated:
+            report.repaired["turns_dropped_duplicate"] += repeated
     (out_dir / RunPaths.DROP_REPORT).write_text(json.dumps(report.as_dict(), indent=1) + "\n")
     log.info("prepared: %s", report.summary())
     if not ids:
         raise NoUsableDataError(f"no conversation survived rendering: {report.summary()}")
-    train_idx, eval_idx = split_indices(len(ids), cfg.eval_fraction, cfg.seed)
+    train_idx, eval_idx = split_by_conversation(kept, cfg.eval_fraction, cfg.seed)
     # `conversation`: where a sample came from (its index after dedupe, the `index` of its
     # regenerated.jsonl record), for reports and for the capture's regeneration states.
     features = datasets.Features(
@@ -202,6 +265,8 @@ def prepare(recipe, out_dir: Path | None = None, tokenizer=None, target=None, pr
     # what the trainer's held-out accuracy predicts, beside MT-bench's shift of topic.
     with open(out_dir / RunPaths.EVAL_PROMPTS, "w", encoding="utf-8") as f:
         for i in eval_idx:
+            if i and kept[i - 1] == kept[i]:
+                continue  # one prompt per conversation (train_on: turns makes several samples)
             f.write(
                 json.dumps({"id": f"eval-{i}", "messages": conversations[kept[i]]}, ensure_ascii=False) + "\n"
             )
@@ -262,25 +327,44 @@ def regeneration_kwargs(recipe, target, out_dir: Path, report: DropReport, progr
         layer_ids = fed_state_layer_ids(
             cfg.aux_layer_ids or default_aux_layer_ids(target.num_layers), target.num_layers
         )
+    temperature, top_p = regeneration_sampling(recipe, target)
     return dict(
         model=target.model if target is not None else None,
         backend=rg.backend,
         batch_size=rg.batch_size,
         max_new_tokens=rg.max_new_tokens,
-        temperature=rg.temperature,
-        top_p=rg.top_p,
+        temperature=temperature,
+        top_p=top_p,
         seed=rg.seed,
+        reasoning_effort=rg.reasoning_effort,
         progress=progress,
         max_prompt_tokens=max(1, cfg.max_length - rg.max_new_tokens),
         states_dir=states_dir,
         state_layer_ids=layer_ids,
         target_name=recipe.target.name_or_path,
-        server=server_settings(rg, out_dir) if rg.backend == "server" else None,
+        server=server_settings(rg, out_dir, temperature, top_p) if rg.backend == "server" else None,
         token_checks=report.token_checks,
     )
 
 
-def server_settings(rg, out_dir: Path):
+def regeneration_sampling(recipe, target=None) -> tuple[float, float]:
+    """The (temperature, top_p) replies are drawn with: the recipe's, where it sets them,
+    else the target's own generation_config (target/load.py::target_sampling)."""
+    from eyas.target.load import target_sampling
+
+    rg = recipe.data.regenerate
+    if rg.temperature is not None and rg.top_p is not None:
+        return rg.temperature, rg.top_p
+    temperature, top_p = target_sampling(recipe.target, target.model if target is not None else None)
+    chosen = (
+        rg.temperature if rg.temperature is not None else temperature,
+        rg.top_p if rg.top_p is not None else top_p,
+    )
+    log.info("regeneration samples at temperature %g, top_p %g (the target's generation_config)", *chosen)
+    return chosen
+
+
+def server_settings(rg, out_dir: Path, temperature: float = 0.0, top_p: float = 1.0):
     """The server backend's settings from a recipe's `data.regenerate`; with `launch`, the
     engine it starts (only when some conversation is left to regenerate), logging to
     `out_dir/engine.log`."""
@@ -300,8 +384,8 @@ def server_settings(rg, out_dir: Path):
         model=rg.server_model,
         concurrency=rg.concurrency,
         max_new_tokens=rg.max_new_tokens,
-        temperature=rg.temperature,
-        top_p=rg.top_p,
+        temperature=temperature,
+        top_p=top_p,
         seed=rg.seed,
         timeout_s=rg.request_timeout_s,
         max_retries=rg.max_retries,

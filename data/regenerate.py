@@ -31,17 +31,28 @@ import torch
 
 from eyas.data.decode import decode_replies_hf
 from eyas.data.fed_states import write_fed_states
-from eyas.data.reasoning import decoded_reply, is_empty_reply
+from eyas.data.reasoning import (
+    conversation_effort,
+    decoded_reply,
+    draw_efforts,
+    is_empty_reply,
+    is_harmony_tokenizer,
+)
 from eyas.data.templates import prompt_ids
+from eyas.data.tool_text import as_served, calls_mode
+from eyas.data.tools import copy_until_reply
 
 log = logging.getLogger(__name__)
 
 
 def source_digest(conversation: list[dict], shaping: dict | None = None) -> str:
-    """What a reply record was generated from: a digest of the user and system turns and
-    of the settings that shape the replies (`shaping`: target, backend, lengths including
-    the prompt cap, sampling), so a changed recipe never reuses another recipe's replies."""
+    """What a reply record was generated from: a digest of the user, system and tool turns
+    (and the tool definitions, where there are some) and of the settings that shape the
+    replies (`shaping`: target, backend, lengths including the prompt cap, sampling, seed,
+    reasoning effort), so a changed recipe never reuses another recipe's replies."""
     key = [[m["role"], m["content"]] for m in conversation if m["role"] != "assistant"]
+    if conversation and conversation[0].get("tools"):
+        key.append(conversation[0]["tools"])
     if shaping:
         key.append(sorted(shaping.items()))
     return hashlib.sha256(json.dumps(key, ensure_ascii=False).encode()).hexdigest()[:16]
@@ -79,6 +90,9 @@ class RecordWriter:
 
     def write(self, i: int, messages: list[dict], token_checks: dict | None = None) -> None:
         rec = {"index": i, "source": self.sources[i], "messages": messages}
+        effort = conversation_effort(messages)
+        if effort:
+            rec["reasoning_effort"] = effort
         if token_checks:
             rec["token_checks"] = token_checks
         self.f.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -106,12 +120,13 @@ def expected_tokens(conversation: list[dict], first_prompt_tokens: int, max_new_
 
 
 def before_first_reply(conversation: list[dict]) -> list[dict]:
-    """The messages before the first assistant turn: what its reply is generated from."""
+    """The messages before the first assistant turn: what its reply is generated from
+    (the first keeps the conversation's tool definitions)."""
     out = []
     for m in conversation:
         if m["role"] == "assistant":
             break
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append(dict(m))
     return out
 
 
@@ -126,6 +141,7 @@ def regenerate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
+    reasoning_effort: str | dict[str, float] | None = None,
     progress: bool = True,
     max_prompt_tokens: int | None = None,
     states_dir: str | Path | None = None,
@@ -145,6 +161,10 @@ def regenerate(
     gets the server's token-id comparisons of the returned conversations, the resumed
     ones included. `only` limits the work to those indices (the others come back as
     they were, or as already regenerated): the time-budget probe runs one batch this way.
+    `reasoning_effort`: one effort or a mix {effort: weight} drawn per conversation with
+    `seed` (data/reasoning.py::draw_efforts); each conversation is prompted at its effort
+    and its assistant turns are marked with it, so rendering uses the same template
+    arguments. Sampling is seeded by `seed` (the server backend: per conversation and turn).
 
     Replies that come back empty (the target stopped at once, or was cut inside its
     reasoning) end the conversation before that turn; a conversation left without any
@@ -160,6 +180,12 @@ def regenerate(
         raise ValueError("the server backend needs its ServerSettings")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    efforts = draw_efforts(reasoning_effort, len(conversations), seed)
+    if "none" in efforts and is_harmony_tokenizer(tokenizer):
+        raise ValueError(
+            "data.regenerate.reasoning_effort: 'none' is not an effort of harmony (GPT-OSS) targets; "
+            "use low, medium or high"
+        )
     shaping = {
         "target": target_name,
         "backend": backend,
@@ -170,7 +196,7 @@ def regenerate(
         "seed": seed,
         "server_model": getattr(server, "model", None),
     }
-    sources = [source_digest(c, shaping) for c in conversations]
+    sources = [source_digest(c, {**shaping, "reasoning_effort": e}) for c, e in zip(conversations, efforts)]
     records = done_records(out_path)
     # a record whose source differs came from other data (another max_samples, dedupe,
     # max_turns) or other settings (another prompt cap, reply length, sampling, target):
@@ -189,7 +215,7 @@ def regenerate(
     # padding wastes little: sorting by characters of the first two messages let the
     # dataset's own reply decide, which left ~60% of prefill positions padding.
     # Conversations whose first prompt is already over the cap take no batch slot.
-    first_prompt = {i: prompt_ids(tokenizer, before_first_reply(conversations[i])) for i in todo}
+    first_prompt = {i: prompt_ids(tokenizer, before_first_reply(conversations[i]), efforts[i]) for i in todo}
     cap = max_prompt_tokens if max_prompt_tokens is not None else float("inf")
     too_long = [i for i in todo if len(first_prompt[i]) > cap]
     todo = sorted((i for i in todo if len(first_prompt[i]) <= cap), key=lambda i: len(first_prompt[i]))
@@ -220,7 +246,15 @@ def regenerate(
             todo.reverse()
             try:
                 regenerate_with_server(
-                    conversations, todo, tokenizer, server, writer.write_soon, max_prompt_tokens, bar, work
+                    conversations,
+                    todo,
+                    tokenizer,
+                    server,
+                    writer.write_soon,
+                    max_prompt_tokens,
+                    bar,
+                    work,
+                    efforts,
                 )
             finally:
                 writer.sync()
@@ -241,6 +275,7 @@ def regenerate(
                 states_dir,
                 state_layer_ids,
                 target_name,
+                efforts,
             )
     bar.close()
     if token_checks is not None:
@@ -265,29 +300,37 @@ def _regenerate_hf(
     states_dir,
     state_layer_ids,
     target_name,
+    efforts,
 ) -> None:
-    """The hf backend: batches of conversations, turn t of every one decoded together."""
+    """The hf backend: batches of conversations, the next reply of every one decoded together."""
+    parse_calls = {i: calls_mode(tokenizer, conversations[i]) for i in todo}
+    served = {i: as_served(tokenizer, conversations[i]) for i in todo}
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
         histories = {i: [] for i in batch}
         fed: dict[int, tuple[list[int], torch.Tensor]] = {}  # conversation -> its last kept reply's call
+        pos = dict.fromkeys(batch, 0)  # each conversation's next recorded message
+        diverged: set[int] = set()
         alive = set(batch)
-        max_turns = max(len(conversations[i]) for i in batch)
-        for t in range(max_turns):
-            # Turn t of every conversation in the batch: copy user/system turns, generate assistant ones.
+        while alive:
+            # The next reply of every live conversation in the batch: copy the recorded
+            # messages before it (tool results only where the target made the same calls).
             need = []
-            for i in batch:
-                conv = conversations[i]
-                if i not in alive or t >= len(conv):
-                    continue
-                if conv[t]["role"] == "assistant":
-                    need.append(i)
+            for i in [i for i in batch if i in alive]:
+                pos[i], stop = copy_until_reply(served[i], pos[i], histories[i])
+                if stop:
+                    diverged.add(i)
+                if stop or pos[i] >= len(served[i]):
+                    alive.discard(i)
                 else:
-                    histories[i].append({"role": conv[t]["role"], "content": conv[t]["content"]})
+                    need.append(i)
+                    pos[i] += 1
             if not need:
                 continue
             # A conversation's first prompt was tokenised for sorting; later ones are built here.
-            prompts = [first_prompt.pop(i, None) or prompt_ids(tokenizer, histories[i]) for i in need]
+            prompts = [
+                first_prompt.pop(i, None) or prompt_ids(tokenizer, histories[i], efforts[i]) for i in need
+            ]
             if max_prompt_tokens is not None:
                 fits = [len(p) <= max_prompt_tokens for p in prompts]
                 alive.difference_update(i for i, ok in zip(need, fits) if not ok)
@@ -304,7 +347,10 @@ def _regenerate_hf(
                 top_p,
                 state_layer_ids=state_layer_ids if states_dir is not None else None,
             )
-            replies = [decoded_reply(tokenizer, d.token_ids, d.finished) for d in decoded]
+            replies = [
+                decoded_reply(tokenizer, d.token_ids, d.finished, parse_calls.get(i), efforts[i])
+                for i, d in zip(need, decoded)
+            ]
             fed.update(
                 (i, (d.fed_ids, d.states))
                 for i, d, r in zip(need, decoded, replies)
@@ -328,6 +374,6 @@ def _regenerate_hf(
                 target_name,
             )
         for i in batch:
-            writer.write(i, histories[i])
+            writer.write(i, histories[i], {"tool_divergence": 1} if i in diverged else None)
         writer.sync()
         advance(batch)

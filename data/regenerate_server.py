@@ -9,7 +9,10 @@ keeps it and never asks for it again. Transport errors, 429 and 5xx are retried 
 exponential backoff; any other answer is an error naming the URL and what it said.
 
 Replies: `reasoning_content` / `reasoning` (vLLM's reasoning parsers) become the turn's
-reasoning; raw harmony or think-tagged content is split by data/reasoning.py. Where the
+reasoning; raw harmony or think-tagged content is split by data/reasoning.py. A tool
+conversation is sent with its `tools`; a reply's calls come from the server's tool parser
+(`tool_calls`) or, for a server without one, from the raw text by the parser the hf
+backend uses; recorded results are replayed only after the same calls (data/tools.py). Where the
 server returns token ids (vLLM's `return_token_ids`), the prompt it built and the reply
 it generated are compared with eyas's own rendering, and mismatches are counted.
 """
@@ -24,8 +27,11 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
-from eyas.data.reasoning import assistant_message, is_empty_reply
+from eyas.core.engine_process import server_root
+from eyas.data.reasoning import assistant_message, effort_template_kwargs, is_empty_reply, mark_effort
 from eyas.data.templates import TemplateError, prompt_ids, render_with_mask, special_strings
+from eyas.data.tool_text import as_served, calls_mode
+from eyas.data.tools import copy_until_reply, openai_messages
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +97,7 @@ class ChatClient:
         import httpx
 
         self.s = settings
-        self.in_flight = {u.rstrip("/"): 0 for u in settings.urls}
+        self.in_flight = {server_root(u): 0 for u in settings.urls}
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.timeout_s, connect=30.0),
             limits=httpx.Limits(max_connections=settings.concurrency + 8),
@@ -133,19 +139,29 @@ class ChatClient:
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    async def chat(self, messages: list[dict]) -> dict:
-        """One reply: the choice's message and, where given, `token_ids` / `prompt_token_ids`."""
+    async def chat(self, history: list[dict], effort: str | None = None, seed: int | None = None) -> dict:
+        """One reply: the choice's message and, where given, `token_ids` / `prompt_token_ids`.
+        `history` is eyas's conversation so far: it goes out as OpenAI messages, with the
+        `tools` its first message carries (data/tools.py). `effort`: the reasoning effort,
+        sent as vLLM's `reasoning_effort` and as the template arguments it stands for (for
+        servers that only pass `chat_template_kwargs`)."""
         url = min(self.in_flight, key=self.in_flight.get)
+        messages, tools = openai_messages(history)
         body = {
             "model": await self.resolve_model(),
             "messages": messages,
             "max_tokens": self.s.max_new_tokens,
             "temperature": self.s.temperature,
             "top_p": self.s.top_p,
-            "seed": self.s.seed,
+            "seed": self.s.seed if seed is None else seed,
             # raw harmony keeps its channel tokens when no reasoning parser splits them
             "skip_special_tokens": False,
         }
+        if effort is not None:
+            body["reasoning_effort"] = effort
+            body["chat_template_kwargs"] = effort_template_kwargs(effort)
+        if tools:
+            body["tools"] = tools
         if self.token_ids:
             body["return_token_ids"] = True
         self.in_flight[url] += 1
@@ -191,6 +207,7 @@ async def _regenerate_all(
     ends: set[int],
     bar,
     work: dict[int, int],
+    efforts: Sequence[str | None],
 ) -> None:
     client = ChatClient(settings)
     sem = asyncio.Semaphore(settings.concurrency)
@@ -200,23 +217,39 @@ async def _regenerate_all(
         nonlocal tokens, replies
         history: list[dict] = []
         checks: dict[str, int] = {}
+        conv, pos = as_served(tokenizer, conversations[i]), 0
+        parse_calls = calls_mode(tokenizer, conv)
         async with sem:
-            for m in conversations[i]:
-                if m["role"] != "assistant":
-                    history.append({"role": m["role"], "content": m["content"]})
-                    continue
-                own_prompt = prompt_ids(
-                    tokenizer, history
-                )  # rendered once: the length cap and the token check
+            while True:
+                pos, stop = copy_until_reply(conv, pos, history)
+                if stop:
+                    checks["tool_divergence"] = 1
+                if stop or pos >= len(conv):
+                    break
+                pos += 1
+                # rendered once: the length cap and the token check
+                own_prompt = prompt_ids(tokenizer, history, efforts[i])
                 if max_prompt_tokens is not None and len(own_prompt) > max_prompt_tokens:
                     break
-                out = await client.chat(history)
+                # a seed per conversation and turn: one seed for all would draw every
+                # reply from the same stream of uniforms
+                turn_seed = (settings.seed * 1_000_003 + i * 1009 + len(history)) % 2**31
+                out = await client.chat(history, efforts[i], turn_seed)
                 msg = out["message"]
                 reply = assistant_message(
                     msg.get("content") or "",
                     msg.get("reasoning_content") or msg.get("reasoning"),
                     finish_reason=out["finish_reason"],
+                    tool_calls=msg.get("tool_calls") if parse_calls else None,
+                    parse_calls=parse_calls,
                 )
+                mark_effort(reply, efforts[i])
+                if (
+                    out["token_ids"] is not None
+                ):  # vLLM's end with the stop token; the template writes its own
+                    reply["token_ids"] = list(out["token_ids"])
+                    if out["finish_reason"] == "stop":
+                        reply["token_ids"] = _strip_end(reply["token_ids"], ends)
                 tokens += int(out["completion_tokens"] or 0)
                 replies += 1
                 if is_empty_reply(reply):  # stopped at once, or cut inside its reasoning
@@ -262,8 +295,10 @@ def regenerate_with_server(
     max_prompt_tokens: int | None,
     bar,
     work: dict[int, int] | None = None,
+    efforts: Sequence[str | None] | None = None,
 ) -> None:
-    """Regenerate the conversations at `todo` through the server; `write(i, messages,
+    """Regenerate the conversations at `todo` through the server (conversation i at
+    reasoning effort `efforts[i]`, default none); `write(i, messages,
     token_checks)` is called as each one finishes (`token_checks`: turns compared with the
     server's token ids and the mismatches by reason, see `compare_reply_tokens`). `bar`
     advances by `work[i]` (its expected tokens) as conversation i finishes."""
@@ -273,6 +308,15 @@ def regenerate_with_server(
     with settings.engine() if settings.engine else nullcontext():
         asyncio.run(
             _regenerate_all(
-                conversations, todo, tokenizer, settings, write, max_prompt_tokens, ends, bar, work or {}
+                conversations,
+                todo,
+                tokenizer,
+                settings,
+                write,
+                max_prompt_tokens,
+                ends,
+                bar,
+                work or {},
+                efforts or [None] * len(conversations),
             )
         )

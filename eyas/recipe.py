@@ -28,6 +28,7 @@ from eyas.heads.algorithms import AlgorithmSection
 # head accepts anything, so a larger K is a typo.
 MAX_K = 64
 Beta = Annotated[float, Field(ge=0, lt=1)]  # an Adam moment decay
+ReasoningEffort = Literal["none", "low", "medium", "high"]
 
 
 class _Section(BaseModel):
@@ -61,8 +62,15 @@ class RegenerateSection(_Section):
     # (data/regenerate_server.py).
     backend: Literal["hf", "server"] = "hf"
     max_new_tokens: int = Field(256, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    # None: the target's own generation_config (its temperature and top_p where it samples,
+    # greedy where it does not), so replies are drawn as served; 0 is greedy.
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    # The effort each conversation is regenerated at: one value, or a mix drawn per
+    # conversation with `seed` (e.g. {low: 0.4, medium: 0.4, high: 0.2}); sent as vLLM
+    # takes it and rendered by the template (GPT-OSS's `Reasoning:` line, Qwen3's
+    # thinking off for `none`). None: the template's default (data/reasoning.py).
+    reasoning_effort: ReasoningEffort | dict[ReasoningEffort, Annotated[float, Field(gt=0)]] | None = None
     batch_size: int = Field(16, ge=1)
     seed: int = 0
     # Keep the states the target computes while regenerating (hf backend, offline
@@ -109,7 +117,10 @@ class DataSection(_Section):
     # its first max_length tokens (counted as truncated_to_max_length; dropped when no
     # trained token is left).
     over_length: Literal["drop", "truncate"] = "drop"
-    train_on: Literal["all", "last"] = "all"  # which assistant turns carry loss
+    # Which assistant turns carry loss: all of one sample per conversation, its last, or
+    # `turns`: a sample per assistant turn, rendered as the template serves that turn
+    # (right for templates that rewrite history; docs/pipeline.md)
+    train_on: Literal["all", "last", "turns"] = "all"
     max_turns: int | None = Field(None, ge=1)  # keep at most this many assistant turns per conversation
     # Drop a conversation that repeats an earlier one (after max_turns; with regeneration,
     # its user and system turns: the replies are the target's anyway). ShareGPT repeats

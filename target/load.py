@@ -312,6 +312,32 @@ def load_recipe_target(
     )
 
 
+def target_sampling(section, model=None) -> tuple[float, float]:
+    """(temperature, top_p) the target is served with by default: its generation_config's
+    where it samples (`do_sample`), greedy (0, 1) where it does not or none can be read.
+    `model`: the loaded target, whose generation_config is used; else it is read from
+    `section.name_or_path`."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        from transformers import GenerationConfig
+
+        try:
+            config = GenerationConfig.from_pretrained(
+                resolve_target_path(section.name_or_path), revision=section.revision
+            )
+        except (OSError, ValueError) as err:
+            log.warning(
+                "%s: no generation_config to read the sampling from (%s); regenerating greedily",
+                section.name_or_path,
+                str(err).splitlines()[0][:200] if str(err) else type(err).__name__,
+            )
+            return 0.0, 1.0
+    if not getattr(config, "do_sample", False):
+        return 0.0, 1.0
+    temperature, top_p = getattr(config, "temperature", None), getattr(config, "top_p", None)
+    return float(1.0 if temperature is None else temperature), float(1.0 if top_p is None else top_p)
+
+
 def stop_token_ids(model, tokenizer) -> set[int]:
     """The ids that end a reply: the EOS ids of the model's generation config (chat models
     list their end-of-turn token there, e.g. `<|im_end|>`), of its config and of the tokenizer."""

@@ -1,11 +1,16 @@
 """A small OpenAI-compatible chat server on 127.0.0.1 for the fast tier, backed by a
-tiny target (greedy replies through eyas's own decoder) or by a script of raw completions.
+tiny target (greedy replies through eyas's own decoder) or by a script of raw completions
+(text, or the token ids to return).
 
 It answers as vLLM does where eyas relies on it: `/v1/models`, `/v1/chat/completions`
 with `reasoning_content` (harmony targets, `reasoning: "parsed"`) or raw text,
-`return_token_ids` (`token_ids` on the choice, `prompt_token_ids` on the response), and
-`skip_special_tokens`. Faults for tests: the first `fail_first` requests answer 503;
-`token_ids_unsupported` answers 400 to `return_token_ids`.
+`return_token_ids` (`token_ids` on the choice, `prompt_token_ids` on the response),
+`reasoning_effort` / `chat_template_kwargs`, and `skip_special_tokens`. Faults for tests:
+the first `fail_first` requests answer 503; `token_ids_unsupported` answers 400 to
+`return_token_ids`. Tools: the request's `tools` go to the chat template (call arguments
+decoded from their JSON text, as vLLM does); with `tool_parser`, calls in the raw
+completion come back as `tool_calls` (parsed by eyas's parser, standing in for the
+engine's), else the text is returned raw.
 
 Also a script: `python tests/fake_openai_server.py --target DIR --port N` serves until killed
 (what `data.regenerate.launch` starts in tests).
@@ -31,7 +36,9 @@ class FakeChatServer:
         fail_first: int = 0,
         token_ids_unsupported: bool = False,
         port: int = 0,
+        tool_parser: bool = False,
     ):
+        self.tool_parser = tool_parser
         self.tokenizer, self.model, self.script, self.name = tokenizer, model, script, name
         self.reasoning, self.fail_left, self.token_ids_unsupported = (
             reasoning,
@@ -66,14 +73,26 @@ class FakeChatServer:
             if body.get("model") != self.name:
                 return 404, {"error": f"model {body.get('model')!r} does not exist"}
             tok = self.tokenizer
+            # as vLLM builds the template arguments from `reasoning_effort`
+            kwargs = dict(body.get("chat_template_kwargs") or {})
+            if body.get("reasoning_effort") is not None:
+                kwargs.setdefault("reasoning_effort", body["reasoning_effort"])
+                kwargs.setdefault("enable_thinking", body["reasoning_effort"] != "none")
             prompt_text = tok.apply_chat_template(
-                body["messages"], tokenize=False, add_generation_prompt=True
+                _template_messages(body["messages"]),
+                tools=body.get("tools"),
+                tokenize=False,
+                add_generation_prompt=True,
+                **kwargs,
             )
             prompt = tok(prompt_text, add_special_tokens=False)["input_ids"]
             finish, ended_by = "stop", []
             if self.script is not None:
                 raw = self.script(body["messages"])
-                ids = tok(raw, add_special_tokens=False)["input_ids"]
+                if isinstance(raw, list):  # token ids, e.g. a split the tokenizer would not make
+                    ids, raw, ended_by = raw, tok.decode(raw, skip_special_tokens=False), [tok.eos_token_id]
+                else:
+                    ids = tok(raw, add_special_tokens=False)["input_ids"]
             else:
                 reply = decode_replies_hf(
                     self.model,
@@ -99,6 +118,8 @@ class FakeChatServer:
             if self.reasoning == "parsed" and is_harmony_tokenizer(tok):
                 reasoning, content = parse_harmony(raw)
                 message = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
+            if self.tool_parser and body.get("tools"):
+                message = _parsed_calls(message, raw, tok)
             out = {
                 "id": f"chatcmpl-{len(self.requests)}",
                 "object": "chat.completion",
@@ -142,6 +163,38 @@ class FakeChatServer:
                 self._send(*server.complete(body))
 
         return Handler
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """What the engine hands its template: call arguments as dicts, reasoning as `thinking`."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [
+                {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                for c in m["tool_calls"]
+            ]
+        if m.get("reasoning"):
+            m.setdefault("thinking", m["reasoning"])
+            m.setdefault("reasoning_content", m["reasoning"])
+        out.append(m)
+    return out
+
+
+def _parsed_calls(message: dict, raw: str, tok) -> dict:
+    """The engine's tool parser: calls out of the completion, arguments as JSON text."""
+    from eyas.data.reasoning import assistant_message, is_harmony_tokenizer
+
+    text = raw if is_harmony_tokenizer(tok) else message["content"]
+    parsed = assistant_message(text, message.get("reasoning_content"), parse_calls="json")
+    if not parsed.get("tool_calls"):
+        return message
+    calls = [
+        {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+        for c in parsed["tool_calls"]
+    ]
+    return {**message, "content": parsed["content"] or None, "tool_calls": calls}
 
 
 def main() -> None:

@@ -110,7 +110,10 @@ def test_finished_turns_carry_the_targets_reply_into_the_next_prompt(tiny, tmp_p
     assert len(server.requests) == 12  # every turn of every conversation, in order
     second = [r for r in server.requests if len(r["messages"]) == 3]
     assert {r["messages"][1]["content"] for r in second} == {f"answer 1: question {k}?" for k in range(6)}
-    assert all(c[3] == {"role": "assistant", "content": f"answer 3: {c[0]['content']}"} for c in got)
+    for c in got:
+        text = f"answer 3: {c[0]['content']}"
+        # the reply and the ids the server generated it as
+        assert c[3] == {"role": "assistant", "content": text, "token_ids": tiny.tokenizer(text)["input_ids"]}
     assert checks == {"turns_compared": 12}
 
 
@@ -182,6 +185,27 @@ def test_a_server_without_token_ids_is_still_used(tiny, tmp_path):
         assert all(len(c) == 2 for c in got) and not checks
 
 
+def test_server_urls_in_the_openai_client_form_reach_the_same_endpoints(tiny, tmp_path):
+    # `http://host:8000/v1` is the base URL vLLM's docs give the OpenAI client; it once
+    # became /v1/v1/chat/completions (404)
+    from eyas.core.engine_process import answers
+
+    with FakeChatServer(tiny.tokenizer, tiny.model) as server:
+        for url in (server.url + "/v1", server.url + "/v1/", server.url + "/"):
+            assert answers(url)
+            got = regenerate(
+                _convs(1),
+                tiny.tokenizer,
+                tmp_path / "r.jsonl",
+                backend="server",
+                server=_settings(url),
+                progress=False,
+            )
+            assert len(got[0]) == 2
+            (tmp_path / "r.jsonl").unlink()
+        assert len(server.requests) == 3
+
+
 @pytest.mark.parametrize("reasoning", ["parsed", "raw"])
 def test_harmony_reply_keeps_both_channels_through_storage_rendering_and_masks(tmp_path, reasoning):
     """A GPT-OSS reply with analysis and final channels, from a server that parses them
@@ -207,6 +231,8 @@ def test_harmony_reply_keeps_both_channels_through_storage_rendering_and_masks(t
         "role": "assistant",
         "content": "It is 4.",
         "reasoning": "The user wants a sum; 2+2 is 4.",
+        # the raw reply's ids, without the stop token the template writes
+        "token_ids": tok(HARMONY_REPLY, add_special_tokens=False)["input_ids"][:-1],
     }
     stored = json.loads((tmp_path / "r.jsonl").read_text())["messages"][-1]
     assert stored == reply and "<|channel|>" not in stored["content"]
@@ -227,6 +253,7 @@ def test_hf_decoder_keeps_harmony_channels():
         "role": "assistant",
         "content": "It is 4.",
         "reasoning": "The user wants a sum; 2+2 is 4.",
+        "token_ids": ids,
     }
     # a reply cut inside its analysis has no final text: no content, the turn ends the conversation
     cut = tok("<|channel|>analysis<|message|>Let me think", add_special_tokens=False)["input_ids"]
@@ -234,15 +261,15 @@ def test_hf_decoder_keeps_harmony_channels():
     # plain targets: special tokens skipped, the text kept as the target wrote it (a
     # stripped space would re-tokenize to other ids than the target's)
     plain = family_tokenizer("chatml")
-    assert decoded_reply(plain, plain(" hi <|im_end|>", add_special_tokens=False)["input_ids"]) == {
-        "role": "assistant",
-        "content": " hi ",
-    }
+    hi = plain(" hi <|im_end|>", add_special_tokens=False)["input_ids"]
+    assert decoded_reply(plain, hi) == {"role": "assistant", "content": " hi ", "token_ids": hi}
     # a reply max_new_tokens cut is marked, so rendering does not end it with an end-of-turn token
-    assert decoded_reply(plain, plain("a long", add_special_tokens=False)["input_ids"], finished=False) == {
+    cut = plain("a long", add_special_tokens=False)["input_ids"]
+    assert decoded_reply(plain, cut, finished=False) == {
         "role": "assistant",
         "content": "a long",
         "finish_reason": "length",
+        "token_ids": cut,
     }
 
 
