@@ -138,7 +138,7 @@ def drop_duplicates(conversations: list[list[dict]], prompts_only: bool) -> tupl
     for conv in conversations:
         key = tuple(
             (m["role"], m["content"].strip()) for m in conv if not (prompts_only and m["role"] == "assistant")
-        )
+        ) + (json.dumps(conv[0].get("tools"), sort_keys=True),)  # the same question with other tools
         if key in seen:
             continue
         seen.add(key)
