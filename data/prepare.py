@@ -139,7 +139,7 @@ def duplicate_indices(conversations: list[list[dict]], prompts_only: bool) -> li
     for i, conv in enumerate(conversations):
         key = tuple(
             (m["role"], m["content"].strip()) for m in conv if not (prompts_only and m["role"] == "assistant")
-        )
+        ) + (json.dumps(conv[0].get("tools"), sort_keys=True),)  # the same question with other tools
         if key in seen:
             repeats.append(i)
             continue

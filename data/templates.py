@@ -251,7 +251,7 @@ def _tokens_and_mask(
     the target sampled that the tokenizer would merge), and then the head would learn
     tokens the target never produced. The text around such a reply is tokenised apart,
     as the engine tokenised the prompt apart from what it generated."""
-    specials = _special_ids(tokenizer)
+    specials = _special_ids(tokenizer) if any(stored_ids) else set()
     ids, mask, pos = [], [], 0
     for (start, end), token_ids in zip(spans, stored_ids):
         body_end = _reply_ids_fit(tokenizer, text, start, end, token_ids, specials)

@@ -270,3 +270,15 @@ def test_bfcl_train_and_test_split_by_question_number():
     test = {r["id"] for r in bfcl_rows("bfcl:test")}
     assert not train & test and len(train) == 900 and len(test) == 300
     assert all(int(i.rsplit("_", 1)[1]) % 4 == 0 for i in test)
+
+
+def test_dedupe_keeps_one_question_asked_with_other_tools():
+    from eyas.data.prepare import drop_duplicates
+
+    conv = _conv()
+    other = [
+        {**conv[0], "tools": [{**WEATHER, "function": {**WEATHER["function"], "name": "forecast"}}]},
+        *conv[1:],
+    ]
+    kept, dropped = drop_duplicates([conv, other, _conv()], prompts_only=True)
+    assert len(kept) == 2 and dropped == 1

@@ -139,3 +139,38 @@ def test_the_hf_backend_reads_calls_from_the_decoded_text(tiny_tokenizer):
     # without tools offered, the same text is plain content; cut by length, it is no call
     assert decoded_reply(tiny_tokenizer, ids)["content"] == raw
     assert "tool_calls" not in decoded_reply(tiny_tokenizer, ids, finished=False, parse_calls="tagged")
+
+
+def test_the_hf_backend_replays_results_and_stops_at_divergence(tiny_tokenizer, tmp_path, monkeypatch):
+    """The in-process backend walks a tool conversation the same way: the scripted target
+    (standing in for the decoder) calls, gets the recorded results, answers, then diverges."""
+    import eyas.data.regenerate as regen
+    from eyas.data.decode import DecodedReply
+
+    script = _script("text", one_call_per_turn=False)
+    prompts_seen = []
+
+    def fake_decode(model, tokenizer, prompts, *args, **kwargs):
+        out = []
+        for ids in prompts:
+            text = tokenizer.decode(ids)
+            prompts_seen.append(text)
+            # the script reads the conversation back from the rendered prompt's last user turn
+            last_user = text.rsplit("<|im_start|>user\n", 1)[1]
+            results = last_user.count("<tool_response>")
+            messages = [{"role": "user", "content": last_user}] + [{"role": "tool", "content": ""}] * results
+            raw = script(messages)
+            out.append(
+                DecodedReply(token_ids=tokenizer(raw, add_special_tokens=False)["input_ids"], text=raw)
+            )
+        return out
+
+    monkeypatch.setattr(regen, "decode_replies_hf", fake_decode)
+    conv, _ = normalize_row(OPENAI_ROW)
+    out = tmp_path / "hf.jsonl"
+    (got,) = regenerate([conv], tiny_tokenizer, out, model=object(), max_new_tokens=64, progress=False)
+    calls = [[c["function"]["arguments"]["city"] for c in m.get("tool_calls", [])] for m in got]
+    assert [c for c in calls if c] == [["Paris", "Rome"], ["Bergen"]]
+    assert [m["content"] for m in got if m["role"] == "tool"] == ["RESULT_PARIS 21C", "RESULT_ROME 25C"]
+    assert done_records(out)[0]["token_checks"] == {"tool_divergence": 1}
+    assert len(prompts_seen) == 3 and "<tools>" in prompts_seen[0]

@@ -7,17 +7,14 @@ import json
 
 import pytest
 from real_formats import gpt_oss_tokenizer, qwen3_tokenizer
+from test_real_formats import CONV as TWO_TURNS
 
 from eyas.cli import main
 from eyas.data.conversations import DropReport
 from eyas.data.prepare import load_prepared, load_token_frequencies, render_all
 
 CONV = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "Hi there"},
-    {"role": "assistant", "content": "Hello!", "reasoning": "greet back"},
-    {"role": "user", "content": "2+2?"},
-    {"role": "assistant", "content": "4.", "reasoning": "add them"},
+    *TWO_TURNS,
     {"role": "user", "content": "And 3+3?"},
     {"role": "assistant", "content": "6.", "reasoning": "add again", "reasoning_effort": "high"},
 ]
