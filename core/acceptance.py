@@ -14,3 +14,15 @@ def expected_tokens_per_step(per_position_acceptance: Sequence[float]) -> float:
         run *= float(a)
         total += run
     return total
+
+
+def conditional_acceptance(drafts: float, accepted_per_position: Sequence[float]) -> list[float]:
+    """Per-position acceptance a_k = accepted at position k / accepted at k - 1 (drafts for
+    k = 1), from counts; the list stops where a position was never reached."""
+    rates, reached = [], float(drafts)
+    for hits in accepted_per_position:
+        if reached <= 0:
+            break
+        rates.append(hits / reached)
+        reached = hits
+    return rates

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eyas.core.acceptance import conditional_acceptance
 from eyas.eval.bench_report import PLOT_NAME, build_report, format_report, plot_speedup, point_key  # noqa: F401
 from eyas.eval.engine_counters import counter_delta, read_counters
 from eyas.eval.request_metrics import ENGINE_FLAG, by_prompt_length, engine_offers, request_record
@@ -261,12 +262,7 @@ def summarize_level(results: list[RequestResult], wall: float, counters: dict) -
     out_tokens = sum(r.output_tokens for r in results)
     tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
     drafts, proposed, accepted = counters["drafts"], counters["draft_tokens"], counters["accepted"]
-    reached, rates = drafts, []
-    for hits in counters["per_position"]:
-        if reached <= 0:
-            break
-        rates.append(hits / reached)
-        reached = hits
+    rates = conditional_acceptance(drafts, counters["per_position"])
     return {
         "requests": len(results),
         "output_tokens": out_tokens,

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from eyas.eval.report import summarize
 
 
@@ -45,6 +43,8 @@ def offline_taus(
 ) -> list[dict]:
     """One entry per (drafter, K, temperature, dtype) of the bench's speculative drafters
     (`eval.bench_serve.Drafter`): τ and, at T > 0, its interval."""
+    import torch
+
     from eyas.eval.evaluate import load_eval_head
     from eyas.eval.ngram import NgramDrafter
     from eyas.eval.speculate import HeadDrafter, speculative_decode

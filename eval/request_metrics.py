@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import subprocess
 
+from eyas.core.acceptance import conditional_acceptance
+
 ENGINE_FLAG = ["--per-request-spec-decode-metrics", "summary"]
 NOT_OFFERED = "not offered by this engine (no --per-request-spec-decode-metrics): global counters only"
 _PROBE = (
@@ -44,13 +46,7 @@ def group_summary(records: list[dict]) -> dict:
     accepted = sum(r["accepted"] for r in records)
     width = max((len(r["histogram"]) for r in records), default=0)
     hist = [sum(r["histogram"][j] for r in records if j < len(r["histogram"])) for j in range(width)]
-    rates, reached = [], float(sum(hist))
-    for j in range(1, width):
-        hits = float(sum(hist[j:]))
-        if reached <= 0:
-            break
-        rates.append(hits / reached)
-        reached = hits
+    rates = conditional_acceptance(sum(hist), [sum(hist[j:]) for j in range(1, width)])
     return {
         "requests": len(records),
         "prompt_tokens": [min(r["prompt_tokens"] for r in records), max(r["prompt_tokens"] for r in records)]
