@@ -273,12 +273,11 @@ def test_bfcl_train_and_test_split_by_question_number():
 
 
 def test_dedupe_keeps_one_question_asked_with_other_tools():
-    from eyas.data.prepare import drop_duplicates
+    from eyas.data.prepare import duplicate_indices
 
     conv = _conv()
     other = [
         {**conv[0], "tools": [{**WEATHER, "function": {**WEATHER["function"], "name": "forecast"}}]},
         *conv[1:],
     ]
-    kept, dropped = drop_duplicates([conv, other, _conv()], prompts_only=True)
-    assert len(kept) == 2 and dropped == 1
+    assert duplicate_indices([conv, other, _conv()], prompts_only=True) == [2]
