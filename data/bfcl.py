@@ -103,18 +103,25 @@ def _answer_calls(ground_truth: list[dict]) -> list[dict]:
     return calls
 
 
-def _single_turn_rows(category: str, split: str | None) -> list[dict]:
+def _questions(category: str, split: str | None) -> list[tuple[dict, list]]:
+    """(question, its ground truth) of one category in the split."""
     root = bfcl_dir()
     answers = {
         a["id"]: a["ground_truth"]
         for a in _read_jsonl(root / "possible_answer" / f"{BFCL_VERSION_PREFIX}{category}.json")
     }
+    return [
+        (q, answers[q["id"]])
+        for q in _read_jsonl(root / f"{BFCL_VERSION_PREFIX}{category}.json")
+        if in_split(q["id"], split) and q["id"] in answers
+    ]
+
+
+def _single_turn_rows(category: str, split: str | None) -> list[dict]:
     rows = []
-    for q in _read_jsonl(root / f"{BFCL_VERSION_PREFIX}{category}.json"):
-        if not in_split(q["id"], split) or q["id"] not in answers:
-            continue
+    for q, truth in _questions(category, split):
         messages = [dict(m) for turn in q["question"] for m in turn]
-        messages.append({"role": "assistant", "content": "", "tool_calls": _answer_calls(answers[q["id"]])})
+        messages.append({"role": "assistant", "content": "", "tool_calls": _answer_calls(truth)})
         rows.append(
             {
                 "id": q["id"],
@@ -175,14 +182,8 @@ def _multi_turn_rows(split: str | None) -> list[dict]:
 
     root = bfcl_dir()
     category = "multi_turn_base"
-    answers = {
-        a["id"]: a["ground_truth"]
-        for a in _read_jsonl(root / "possible_answer" / f"{BFCL_VERSION_PREFIX}{category}.json")
-    }
     rows = []
-    for q in _read_jsonl(root / f"{BFCL_VERSION_PREFIX}{category}.json"):
-        if not in_split(q["id"], split) or q["id"] not in answers:
-            continue
+    for q, truth in _questions(category, split):
         excluded = set(q.get("excluded_function") or [])
         docs = [
             d
@@ -193,7 +194,7 @@ def _multi_turn_rows(split: str | None) -> list[dict]:
         try:
             methods = _backends(q)
             messages, n = [], 0
-            for turn, calls in zip(q["question"], answers[q["id"]]):
+            for turn, calls in zip(q["question"], truth):
                 messages.extend(dict(m) for m in turn)
                 for text in calls:
                     name, arguments, result = _run(methods, text)

@@ -104,6 +104,9 @@ class ChatClient:
         )
         self.model = settings.model
         self.token_ids = True  # ask for them until a server refuses the field
+        # until a server without a tool parser refuses tools: then `tool_choice: none`, so the
+        # tools are still in its prompt and the calls are parsed from the raw text
+        self.tool_choice: str | None = None
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -162,23 +165,36 @@ class ChatClient:
             body["chat_template_kwargs"] = effort_template_kwargs(effort)
         if tools:
             body["tools"] = tools
+            if self.tool_choice:
+                body["tool_choice"] = self.tool_choice
         if self.token_ids:
             body["return_token_ids"] = True
         self.in_flight[url] += 1
         try:
-            try:
-                data = await self._request("POST", url, "/v1/chat/completions", body)
-            except ServerError as err:
-                if "return_token_ids" not in body or "return_token_ids" not in str(err):
-                    raise
-                log.warning(
-                    "%s does not return token ids; regenerated turns are not compared with the target's "
-                    "tokens",
-                    url,
-                )
-                self.token_ids = False
-                body.pop("return_token_ids")
-                data = await self._request("POST", url, "/v1/chat/completions", body)
+            for _ in range(3):  # each refusal below is fixed once, then the request is sent again
+                try:
+                    data = await self._request("POST", url, "/v1/chat/completions", body)
+                    break
+                except ServerError as err:
+                    if "tools" in body and "tool_choice" not in body and "tool-call-parser" in str(err):
+                        log.warning(
+                            "%s runs no tool parser (vllm serve --enable-auto-tool-choice "
+                            "--tool-call-parser NAME); sending tool_choice=none, calls parsed from the text",
+                            url,
+                        )
+                        self.tool_choice = body["tool_choice"] = "none"
+                    elif "return_token_ids" in body and "return_token_ids" in str(err):
+                        log.warning(
+                            "%s does not return token ids; regenerated turns are not compared with the "
+                            "target's tokens",
+                            url,
+                        )
+                        self.token_ids = False
+                        body.pop("return_token_ids")
+                    else:
+                        raise
+            else:
+                raise ServerError(f"{url}/v1/chat/completions refused the request three times")
         finally:
             self.in_flight[url] -= 1
         try:

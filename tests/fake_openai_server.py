@@ -7,8 +7,9 @@ with `reasoning_content` (harmony targets, `reasoning: "parsed"`) or raw text,
 `return_token_ids` (`token_ids` on the choice, `prompt_token_ids` on the response),
 `reasoning_effort` / `chat_template_kwargs`, and `skip_special_tokens`. Faults for tests:
 the first `fail_first` requests answer 503; `token_ids_unsupported` answers 400 to
-`return_token_ids`. Tools: the request's `tools` go to the chat template (call arguments
-decoded from their JSON text, as vLLM does); with `tool_parser`, calls in the raw
+`return_token_ids`; `no_auto_tools` answers 400 to tools without `tool_choice: none`, as
+vLLM without a tool parser does. Tools: the request's `tools` go to the chat template (call
+arguments decoded from their JSON text, as vLLM does); with `tool_parser`, calls in the raw
 completion come back as `tool_calls` (parsed by eyas's parser, standing in for the
 engine's), else the text is returned raw.
 
@@ -37,8 +38,9 @@ class FakeChatServer:
         token_ids_unsupported: bool = False,
         port: int = 0,
         tool_parser: bool = False,
+        no_auto_tools: bool = False,
     ):
-        self.tool_parser = tool_parser
+        self.tool_parser, self.no_auto_tools = tool_parser, no_auto_tools
         self.tokenizer, self.model, self.script, self.name = tokenizer, model, script, name
         self.reasoning, self.fail_left, self.token_ids_unsupported = (
             reasoning,
@@ -70,6 +72,11 @@ class FakeChatServer:
                 return 503, {"error": "warming up"}
             if body.get("return_token_ids") and self.token_ids_unsupported:
                 return 400, {"error": "unknown field: return_token_ids"}
+            if self.no_auto_tools and body.get("tools") and body.get("tool_choice") != "none":
+                return 400, {
+                    "error": '"auto" tool choice requires --enable-auto-tool-choice and '
+                    "--tool-call-parser to be set"
+                }
             if body.get("model") != self.name:
                 return 404, {"error": f"model {body.get('model')!r} does not exist"}
             tok = self.tokenizer

@@ -174,3 +174,25 @@ def test_the_hf_backend_replays_results_and_stops_at_divergence(tiny_tokenizer, 
     assert [m["content"] for m in got if m["role"] == "tool"] == ["RESULT_PARIS 21C", "RESULT_ROME 25C"]
     assert done_records(out)[0]["token_checks"] == {"tool_divergence": 1}
     assert len(prompts_seen) == 3 and "<tools>" in prompts_seen[0]
+
+
+def test_a_server_without_a_tool_parser_gets_tool_choice_none_and_raw_text(tiny_tokenizer, tmp_path):
+    """vLLM started without --enable-auto-tool-choice refuses tools under the default
+    `auto`; regeneration goes on with `tool_choice: none` (tools still in the prompt) and
+    reads the calls from the raw text."""
+    conv, _ = normalize_row(OPENAI_ROW)
+    with FakeChatServer(
+        tiny_tokenizer,
+        script=_script("text", one_call_per_turn=False),
+        no_auto_tools=True,
+        token_ids_unsupported=True,
+    ) as server:
+        settings = ServerSettings(urls=[server.url], max_new_tokens=64, concurrency=1, backoff_s=0.01)
+        (got,) = regenerate(
+            [conv], tiny_tokenizer, tmp_path / "r.jsonl", backend="server", server=settings, progress=False
+        )
+    assert [c["function"]["arguments"]["city"] for c in got[2]["tool_calls"]] == ["Paris", "Rome"]
+    assert (
+        all(r["tool_choice"] == "none" for r in server.requests[2:])
+        and "tool_choice" not in server.requests[0]
+    )
