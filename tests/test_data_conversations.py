@@ -7,10 +7,10 @@ import pytest
 from eyas.data.conversations import (
     DropReport,
     NoUsableDataError,
-    iter_json_array,
     normalize_row,
     read_conversations,
 )
+from eyas.data.json_rows import iter_json_array
 
 GOOD_SHAREGPT = {
     "id": "a",
