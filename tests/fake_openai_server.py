@@ -39,8 +39,12 @@ class FakeChatServer:
         port: int = 0,
         tool_parser: bool = False,
         no_auto_tools: bool = False,
+        reply_tokens: int | None = None,
     ):
         self.tool_parser, self.no_auto_tools = tool_parser, no_auto_tools
+        # a target that ends its replies itself after this many tokens (a random tiny model
+        # never stops, and the recipes' own max_tokens run to thousands)
+        self.reply_tokens = reply_tokens
         self.tokenizer, self.model, self.script, self.name = tokenizer, model, script, name
         self.reasoning, self.fail_left, self.token_ids_unsupported = (
             reasoning,
@@ -101,17 +105,20 @@ class FakeChatServer:
                 else:
                     ids = tok(raw, add_special_tokens=False)["input_ids"]
             else:
+                max_tokens = int(body.get("max_tokens", 16))
+                stops_itself = self.reply_tokens is not None and self.reply_tokens < max_tokens
                 reply = decode_replies_hf(
                     self.model,
                     tok,
                     [prompt],
-                    int(body.get("max_tokens", 16)),
+                    self.reply_tokens if stops_itself else max_tokens,
                     float(body.get("temperature", 0.0)),
                     float(body.get("top_p", 1.0)),
                 )[0]
                 ids = reply.token_ids
                 raw = tok.decode(ids, skip_special_tokens=False)
-                if reply.finished:  # vLLM's token_ids end with the stop token; its text does not
+                # vLLM's token_ids end with the stop token; its text does not
+                if reply.finished or stops_itself:
                     eos = self.model.generation_config.eos_token_id
                     ended_by = [eos[0] if isinstance(eos, list) else eos]
                 else:

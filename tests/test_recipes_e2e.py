@@ -99,9 +99,8 @@ def _tiny_recipe_data(
         f"data.sources=[{_corpus(tmp_path / 'c.jsonl', n)}]",
         f"data.max_samples={n}",
         "data.eval_fraction=0.2",
-        # the recipe's own data.max_length; its replies cut to 12 tokens (a tiny random
-        # model rarely stops on its own, and thousands of decoded tokens would cost minutes)
-        "data.regenerate.max_new_tokens=12",
+        # the recipe's own data.max_length and data.regenerate.max_new_tokens; eval's
+        # replies cut (a random tiny model never stops, and each eval decodes 3 ways)
         "data.aux_layer_ids=null",
         "train.max_steps=3",
         "train.warmup_steps=1",
@@ -116,7 +115,9 @@ def _tiny_recipe_data(
     if rg.enabled and rg.backend == "server":
         model = build_tiny_model(arch, tokenizer=tokenizer)
         model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(list(stops))
-        server = FakeChatServer(tokenizer, model).__enter__()
+        # the server's target ends each reply after 12 tokens, as a real one stops well
+        # before the recipe's max_tokens; the requests still carry the recipe's own
+        server = FakeChatServer(tokenizer, model, reply_tokens=12).__enter__()
         overrides += ["data.regenerate.launch=null", f"data.regenerate.server_urls=[{server.url}]"]
     # a recipe that reads another run's data (data.from_run): that run is made here, by the
     # same recipe with its own data, and the stages after this one read it
@@ -131,6 +132,7 @@ def _tiny_recipe_data(
             server.__exit__(None, None, None)
     if server is not None:
         assert server.requests, "the recipe's regeneration never reached the server"
+        assert {r["max_tokens"] for r in server.requests} == {rg.max_new_tokens}, what
     report = json.loads((data_run / "prepared" / "drop_report.json").read_text())
     assert report["kept"] > 0, report
     if recipe.data.from_run:
