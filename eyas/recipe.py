@@ -209,7 +209,6 @@ class TrainSection(_Section):
     log_every: int = Field(10, ge=1)
     logger: Literal["tensorboard", "wandb", "jsonl", "none"] = "jsonl"
     max_nonfinite_steps: int = Field(5, ge=0)
-    num_workers: int = Field(0, ge=0)
     eval_batches: PositiveInt | None = (
         None  # cap on eval micro-batches per evaluation (None: the whole split)
     )
