@@ -46,7 +46,7 @@ def median_levels(points: list[dict]) -> list[dict]:
 
 
 def target_summary(target: str) -> dict:
-    """The target's sizes the planner needs (eval/planner.py::target_size_from_config)."""
+    """The target's sizes the planner needs (eval/sizes.py::target_size_from_config)."""
     cfg_path = Path(target) / "config.json"
     return json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
 

@@ -4,7 +4,7 @@ per rank, before anything loads. From the target's config.json built on the meta
 its forward's activations at the micro-batch with the attention kernel that will run,
 the head with its optimizer state and TTT / COD activations, the LM-head chunks, the
 feature cache on disk and the regeneration engine's layout and KV room; then the time
-per stage from FLOPs and bandwidth with the planner's hardware profiles (eval/planner.py).
+per stage from FLOPs and bandwidth with the planner's hardware profiles (eval/sizes.py).
 
 The memory model is an estimate of the peak, not a measurement: its constants are named
 below with what they stand for; a GPU run that measures the peak corrects them.
@@ -16,7 +16,7 @@ import math
 import shlex
 from dataclasses import asdict, dataclass, field
 
-from eyas.eval.planner import (
+from eyas.eval.sizes import (
     HARDWARE,
     Hardware,
     head_size,

@@ -8,7 +8,8 @@ import pytest
 
 from eyas.cli import main
 from eyas.core.acceptance import expected_tokens_per_step
-from eyas.eval.planner import HARDWARE, TARGETS, head_size, parse_target, plan
+from eyas.eval.planner import plan
+from eyas.eval.sizes import HARDWARE, TARGETS, head_size, parse_target
 
 ACC = [0.8, 0.75, 0.72, 0.7, 0.68, 0.66, 0.65]
 

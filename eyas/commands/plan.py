@@ -28,7 +28,7 @@ from eyas.commands._common import CommandError, add_recipe_arguments, load_recip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eyas.eval.planner import HARDWARE, TARGETS
+    from eyas.eval.sizes import HARDWARE, TARGETS
     from eyas.heads.algorithms import algorithm_names
 
     add_recipe_arguments(parser)
@@ -205,6 +205,7 @@ def _why_not_speculate(p, serve_at: int) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from eyas.eval import planner as P
+    from eyas.eval import sizes as S
     from eyas.recipe import RunPaths
 
     if args.calibrate:
@@ -215,16 +216,16 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe_from_args(args)
     rates, report_alg, source, head_dir = _acceptance(args, recipe)
     try:
-        base_hw = P.load_hardware(args.hardware)
+        base_hw = S.load_hardware(args.hardware)
     except ValueError as err:
         raise CommandError(f"{err}") from None
-    hw = P.with_overrides(
+    hw = S.with_overrides(
         base_hw,
         layer_latency=args.layer_latency_us * 1e-6 if args.layer_latency_us is not None else None,
         pass_overhead=args.pass_overhead_us * 1e-6 if args.pass_overhead_us is not None else None,
     )
     try:
-        target = P.parse_target(args.target_params)
+        target = S.parse_target(args.target_params)
     except ValueError as err:
         raise CommandError(f"{err}") from None
     conc = given_conc or list(P.CONCURRENCY)
@@ -232,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     plans = {}
     for alg in algorithms:
         layers = args.head_layers if len(algorithms) == 1 else None
-        head = P.head_size(target, alg, layers, args.draft_vocab)
+        head = S.head_size(target, alg, layers, args.draft_vocab)
         plans[alg] = P.plan(rates, hw, target, head, args.context, conc, args.max_k)
     out = Path(args.out) if args.out else recipe.paths.eval
     out.mkdir(parents=True, exist_ok=True)
