@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from eyas.core.run_paths import RunPaths
 from eyas.data.cache import (
     FORMAT,
     atomic_write,
@@ -28,7 +29,6 @@ from eyas.data.cache import (
     sha256_bytes,
     write_manifest,
 )
-from eyas.recipe import RunPaths
 from eyas.target.features import compute_features
 from eyas.target.load import text_config
 

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
+from eyas.core.run_paths import RunPaths
 from eyas.data.conversations import DropReport, NoUsableDataError, read_conversations
 from eyas.data.templates import TemplateError, render_with_mask
 from eyas.data.tool_text import as_served
-from eyas.recipe import RunPaths
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eyas.core.run_paths import RunPaths
 from eyas.eval.engine_check import describe, sampled_decoding_check
 from eyas.eval.offline_match import side_by_side
 from eyas.eval.request_metrics import NOT_OFFERED
 from eyas.heads.serving_config import vllm_serve_command
-from eyas.recipe import RunPaths
 
 if TYPE_CHECKING:
     from eyas.eval.bench_serve import BenchSettings

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyas.core.acceptance import conditional_acceptance
+from eyas.core.run_paths import RunPaths
 from eyas.eval.bench_report import PLOT_NAME, build_report, format_report, plot_speedup, point_key  # noqa: F401
 from eyas.eval.engine_counters import counter_delta, read_counters
 from eyas.eval.request_metrics import ENGINE_FLAG, by_prompt_length, engine_offers, request_record
 from eyas.heads.serving_config import speculative_config
-from eyas.recipe import RunPaths
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from eyas.budget import BudgetError, Rates
-from eyas.recipe import RunPaths
+from eyas.core.run_paths import RunPaths
 
 
 def measure(recipe, progress: bool = True) -> Rates:

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyas.core.hub_ids import looks_like_hub_id
+from eyas.core.run_paths import RunPaths
 from eyas.heads.export import CONFIG_NAME, WEIGHTS_NAME, serve_command
 from eyas.heads.head_dir import detect_format
 from eyas.heads.load_export import export_config
-from eyas.recipe import RunPaths
 
 log = logging.getLogger(__name__)
 

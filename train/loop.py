@@ -288,13 +288,11 @@ def _resume(run: Run, earlier: EarlierRun) -> None:
 def _open_logger(recipe, accelerator, resume_step, state: TrainerState):
     """The metrics logger (rank 0 only), after writing the recipe this run trains under
     from now on; a resumed run continues its logs from the checkpoint's step."""
-    from eyas.recipe import dump_recipe
-
     paths = recipe.paths
     if not accelerator.is_main_process:
         return make_logger("none", paths.root)
     paths.root.mkdir(parents=True, exist_ok=True)
-    paths.recipe.write_text(dump_recipe(recipe))
+    paths.recipe.write_text(recipe.to_yaml())
     return make_logger(
         recipe.train.logger,
         paths.root,

@@ -204,9 +204,9 @@ def _why_not_speculate(p, serve_at: int) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from eyas.core.run_paths import RunPaths
     from eyas.eval import planner as P
     from eyas.eval import sizes as S
-    from eyas.recipe import RunPaths
 
     if args.calibrate:
         return run_calibrate(args)
