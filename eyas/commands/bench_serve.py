@@ -127,6 +127,7 @@ def first_turn_prompts(
 def run(args: argparse.Namespace) -> int:
     from eyas.core.engine_process import EngineError
     from eyas.eval import bench_serve as B
+    from eyas.eval.bench_settings import BenchSettings, Drafter, head_drafter
     from eyas.eval.workloads import WorkloadError
     from eyas.heads.fetch import fetch_head
     from eyas.heads.validate import ExportFormatError
@@ -141,10 +142,10 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe_from_args(args)
     ev = recipe.eval
     target = resolve_target_path(args.target or recipe.target.name_or_path)
-    drafters = [B.Drafter("plain", "plain")]
+    drafters = [Drafter("plain", "plain")]
     if not args.no_ngram:
         drafters.append(
-            B.Drafter(
+            Drafter(
                 "ngram",
                 "ngram",
                 ngram_min=args.ngram_min or ev.ngram_min,
@@ -153,14 +154,14 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         for name, spec in _heads(args.head, recipe.paths.export):
-            drafters.append(B.head_drafter(name, str(fetch_head(spec))))
+            drafters.append(head_drafter(name, str(fetch_head(spec))))
         prompts = first_turn_prompts(
             target, args.workload or ev.workload, args.max_prompts, recipe.target.trust_remote_code
         )
     except (B.BenchError, ExportFormatError, WorkloadError) as err:
         raise CommandError(f"{err}") from None
     python = args.vllm_python or (str(ROOT_VENV_PYTHON) if ROOT_VENV_PYTHON.is_file() else sys.executable)
-    settings = B.BenchSettings(
+    settings = BenchSettings(
         target=target,
         drafters=drafters,
         prompts=prompts,
