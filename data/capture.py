@@ -22,6 +22,7 @@ import torch
 from eyas.core.run_paths import RunPaths
 from eyas.data.cache import (
     FORMAT,
+    CaptureError,
     atomic_write,
     bytes_per_token,
     quantize_fp8,
@@ -33,10 +34,6 @@ from eyas.target.features import compute_features
 from eyas.target.load import text_config
 
 log = logging.getLogger(__name__)
-
-
-class CaptureError(RuntimeError):
-    """The capture cannot start or continue (disk space, a mismatching old cache, ...)."""
 
 
 class InjectedFailure(RuntimeError):

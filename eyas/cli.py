@@ -62,8 +62,7 @@ def setup_logging(verbose: bool = False) -> None:
 KNOWN_FAILURES = {
     "eyas.budget": ("BudgetError",),
     "eyas.data.conversations": ("NoUsableDataError",),
-    "eyas.data.cache": ("DamagedShardError", "IncompleteCacheError", "StaleCacheError"),
-    "eyas.data.capture": ("CaptureError",),
+    "eyas.data.cache": ("CaptureError", "DamagedShardError", "IncompleteCacheError", "StaleCacheError"),
     "eyas.target.load": ("TargetLoadError",),
     "eyas.target.shapes": ("ShapeError",),
     "eyas.target.quantized": ("QuantizationError",),
