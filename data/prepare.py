@@ -311,7 +311,7 @@ def gather_conversations(cfg, max_samples: int | None = None):
 
 def regeneration_kwargs(recipe, target, out_dir: Path, report: DropReport, progress: bool = True) -> dict:
     """`regenerate()`'s settings from a recipe's `data.regenerate`, for `target` (None with
-    the server backend); shared by `prepare` and the time-budget probe (eyas/budget.py)."""
+    the server backend); shared by `prepare` and the time-budget probe (eyas/budget/probe.py)."""
     cfg, rg = recipe.data, recipe.data.regenerate
     states_dir = layer_ids = None
     if rg.keep_states and (cfg.features != "offline" or target is None):

@@ -107,6 +107,44 @@ def test_import_direction(folder, forbidden):
     assert not bad, "\n".join(bad)
 
 
+# Every package folder and the import name it maps to (pyproject.toml, package-dir).
+PACKAGES = {
+    "eyas": "eyas",
+    "eyas/commands": "eyas.commands",
+    "eyas/budget": "eyas.budget",
+    "core": "eyas.core",
+    "target": "eyas.target",
+    "data": "eyas.data",
+    "heads": "eyas.heads",
+    "train": "eyas.train",
+    "eval": "eyas.eval",
+}
+
+
+def test_no_two_modules_import_each_other():
+    """Shared types live in a neutral module (DESIGN §1): a reader never goes from one
+    module to another and back. Imports inside functions and for type checking count too,
+    and so does `from package import module`."""
+    imports = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).glob("*.py")):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            found = _imported_modules(path, package)
+            tree = ast.parse(path.read_text(), str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    found.update(f"{node.module}.{a.name}" for a in node.names)
+            imports[name] = found
+    loops = sorted(
+        f"{a} <-> {b}" for a, found in imports.items() for b in found if a < b and a in imports.get(b, ())
+    )
+    assert loops == KNOWN_LOOPS, "\n".join(loops)
+
+
+# conversations.py reads rows with json_rows.py, which names its DropReport for type checking only.
+KNOWN_LOOPS = ["eyas.data.conversations <-> eyas.data.json_rows"]
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_recipe_parses(path):
     recipe = load_recipe(path)

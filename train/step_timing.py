@@ -1,6 +1,6 @@
 """One training step of a recipe's draft head on synthetic features, at a target's shapes:
 what `scripts/bench_head_step.py` times on a GPU node and what the quickstart's time budget
-(eyas/budget.py) times on this machine before it sizes a run. No target weights are
+(eyas/budget/probe.py) times on this machine before it sizes a run. No target weights are
 needed: the embeddings, LM head and features are random at a residual stream's scale, and
 the step is the trainer's own (labels from the LM head, the recipe's loss under its
 autocast, backward, clipping, AdamW).
