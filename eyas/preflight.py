@@ -164,18 +164,12 @@ def _head_bytes(recipe, size, tokens: int, world: int, strategy: str) -> tuple[d
         "head gradients + AdamW state": state,
         "head frozen embedding": size.vocab_size * size.hidden_size * PARAM_BYTES,
     }
-    if alg == "peagle":
-        sec = recipe.train.section("peagle")
-        share = sum(max(sec.cod_r_min, sec.cod_r**d) for d in range(sec.num_depths))
-        elements = tokens * share
-        out["P-EAGLE COD activations"] = elements * (
-            LAYER_ACTIVATION_BYTES * hd * recipe.head.num_layers + LOGIT_BYTES * vd
-        )
-    else:
-        steps = recipe.train.section(alg).ttt_steps if hasattr(recipe.train.section(alg), "ttt_steps") else 1
-        out["EAGLE-3 TTT activations"] = (
-            steps * tokens * (LAYER_ACTIVATION_BYTES * hd * recipe.head.num_layers + LOGIT_BYTES * vd)
-        )
+    sec = recipe.train.section(alg)
+    out[sec.ACTIVATIONS] = (
+        sec.activation_copies()
+        * tokens
+        * (LAYER_ACTIVATION_BYTES * hd * recipe.head.num_layers + LOGIT_BYTES * vd)
+    )
     return out, params
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from eyas.train.algorithms import loss_function
+from eyas.heads.algorithms import get_algorithm
 from eyas.train.batching import DataPosition
 from eyas.train.build import HeadWithLoss, frozen_output, initial_head
 from eyas.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
@@ -172,7 +172,9 @@ def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool = Tru
     steps_per_epoch = max(1, stream.batches_per_epoch() // (world * cfg.grad_accum))
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
 
-    model = shard_head(accelerator, HeadWithLoss(head, loss_function(head_cfg.algorithm), cfg))
+    model = shard_head(
+        accelerator, HeadWithLoss(head, get_algorithm(head_cfg.algorithm).loss_function(), cfg)
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=cfg.learning_rate, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
