@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eyas.heads.algorithms import get_algorithm
-from eyas.train.batching import BatchStream, DataPosition, collate, pack_group, plan_epoch
+from eyas.train.batching import BatchStream, DataPosition, Packing, collate, pack_group, plan_epoch
 from eyas.train.checkpoint import latest_checkpoint, list_checkpoints
 from eyas.train.eagle3 import eagle3_loss
 from eyas.train.loop import cosine_with_warmup
@@ -31,9 +31,7 @@ def _stream(position=None, rank=0, world=1):
         source,
         lengths,
         groups,
-        batch_tokens=64,
-        max_batch_size=4,
-        seed=3,
+        Packing(batch_tokens=64, max_batch_size=4, seed=3),
         rank=rank,
         world=world,
         position=position,
