@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from eyas.core.problems import problem_lines
 from eyas.core.run_paths import RunPaths
 from eyas.heads.algorithms import AlgorithmSection
 
@@ -248,7 +249,7 @@ class TrainSection(_Section):
             try:
                 extra[name] = get_algorithm(name).training.model_validate(value or {})
             except ValidationError as err:
-                raise ValueError("; ".join(_section_errors(err, f"train.{name}"))) from None
+                raise ValueError("; ".join(problem_lines(err, f"train.{name}"))) from None
         return self
 
     def section(self, name: str):
@@ -366,25 +367,8 @@ def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
     return parsed
 
 
-def _section_errors(err: ValidationError, prefix: str) -> list[str]:
-    out = []
-    for e in err.errors():
-        loc = ".".join([prefix, *(str(p) for p in e["loc"])])
-        msg = e["msg"].removeprefix("Value error, ")
-        out.append(f"unknown key '{loc}'" if e["type"] == "extra_forbidden" else f"{loc}: {msg}")
-    return out
-
-
 def _format_errors(err: ValidationError, source: str) -> str:
-    lines = [f"{source}: invalid recipe"]
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
-            lines.append(f"  unknown key '{loc}'")
-        else:
-            msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"  {loc or '(top)'}: {msg}")
-    return "\n".join(lines)
+    return "\n".join([f"{source}: invalid recipe", *(f"  {line}" for line in problem_lines(err))])
 
 
 def recipe_from_dict(tree: dict, source: str = "<dict>", overrides: list[str] | None = None) -> Recipe:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from eyas.core.problems import given
 from eyas.heads.algorithms import eagle_layout_algorithm, find_algorithm
 from eyas.heads.export import CONFIG_NAME, ExportFormatError
 from eyas.heads.io import CONFIG_NAME as EYAS_CONFIG
@@ -27,7 +28,6 @@ from eyas.heads.serving_config import (
     EyasEagleBlock,
     SpeculatorsBlock,
     SpeculatorsServingConfig,
-    given,
     layer_shape,
     parse_serving_config,
 )
