@@ -60,7 +60,7 @@ def load_bench_data(args):
     """The target, the ShareGPT batches (one warm-up + `args.steps`), their masked-token
     counts and whether the head runs under bf16 autocast."""
     from eyas.core.precision import resolve_mixed_precision
-    from eyas.data.prepare import token_frequencies
+    from eyas.data.samples import token_frequencies
     from eyas.target.load import load_target
 
     target = load_target("smollm2-135m", args.dtype, "cpu")
