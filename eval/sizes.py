@@ -126,6 +126,20 @@ class TargetSize:
         return 4 * self.num_layers * self.num_heads * self.head_dim * eff
 
 
+# The two GPT-OSS sizes share their layers' shape, MXFP4 experts and sliding windows.
+_GPT_OSS = dict(
+    hidden_size=2880,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=64,
+    vocab_size=201088,
+    intermediate_size=2880 * 3,
+    experts_per_token=4,
+    expert_bytes_per_param=0.53,
+    sliding_window=128,
+    sliding_fraction=0.5,
+)
+
 TARGETS = {
     t.name: t
     for t in (
@@ -134,36 +148,18 @@ TARGETS = {
             total_params=20.9e9,
             active_params=3.6e9,
             num_layers=24,
-            hidden_size=2880,
-            num_heads=64,
-            num_kv_heads=8,
-            head_dim=64,
-            vocab_size=201088,
-            intermediate_size=2880 * 3,
             expert_params=19.1e9,
             num_experts=32,
-            experts_per_token=4,
-            expert_bytes_per_param=0.53,
-            sliding_window=128,
-            sliding_fraction=0.5,
+            **_GPT_OSS,
         ),
         TargetSize(
             name="gpt-oss-120b",
             total_params=116.8e9,
             active_params=5.1e9,
             num_layers=36,
-            hidden_size=2880,
-            num_heads=64,
-            num_kv_heads=8,
-            head_dim=64,
-            vocab_size=201088,
-            intermediate_size=2880 * 3,
             expert_params=114.7e9,
             num_experts=128,
-            experts_per_token=4,
-            expert_bytes_per_param=0.53,
-            sliding_window=128,
-            sliding_fraction=0.5,
+            **_GPT_OSS,
         ),
         TargetSize(
             name="qwen3-coder-30b-a3b",
