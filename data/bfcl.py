@@ -42,10 +42,6 @@ def bfcl_dir() -> Path:
     return packaged_file("bfcl_eval", "data/README.md", "bfcl-eval").parent
 
 
-def is_bfcl(source: str) -> bool:
-    return source in BFCL_SPLITS
-
-
 def in_split(question_id: str, split: str | None) -> bool:
     """Whether a question (`simple_python_12`, `multi_turn_base_3`) is in the split."""
     if split is None:

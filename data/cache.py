@@ -40,6 +40,12 @@ FORMAT = "eyas-feature-cache"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
+class CaptureError(RuntimeError):
+    """The capture cannot start or continue (disk space, a mismatching old cache, ...).
+    Here, beside the cache's other errors, so the capture and the reuse of another run's
+    cache (data/from_run.py) raise it without importing each other."""
+
+
 class DamagedShardError(RuntimeError):
     """A shard is missing or its checksum does not match the manifest."""
 

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 
+from eyas.core.run_paths import RunPaths
 from eyas.data.cache import (
     FORMAT,
+    CaptureError,
     atomic_write,
     bytes_per_token,
     quantize_fp8,
@@ -28,15 +30,10 @@ from eyas.data.cache import (
     sha256_bytes,
     write_manifest,
 )
-from eyas.recipe import RunPaths
 from eyas.target.features import compute_features
 from eyas.target.load import text_config
 
 log = logging.getLogger(__name__)
-
-
-class CaptureError(RuntimeError):
-    """The capture cannot start or continue (disk space, a mismatching old cache, ...)."""
 
 
 class InjectedFailure(RuntimeError):

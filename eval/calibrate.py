@@ -17,14 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from eyas.eval.planner import (
-    Hardware,
-    HeadSize,
-    TargetSize,
-    head_size,
-    step_time,
-    target_size_from_config,
-)
+from eyas.eval.planner import step_time
+from eyas.eval.sizes import Hardware, HeadSize, TargetSize, head_size, target_size_from_config
 
 PARAMS = ("step_overhead", "pass_overhead", "layer_latency", "hbm_bandwidth", "peak_flops")
 # Where the fit searches (log space, so Nelder-Mead cannot step to an overflow): from 0.1 us

@@ -5,12 +5,12 @@ them (DESIGN §6)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
 from pathlib import Path
 
 import torch
 
 from eyas.data.reasoning import decoded_reply
+from eyas.eval.eval_settings import EvalSettings
 from eyas.eval.report import summarize
 from eyas.eval.speculate import greedy_decode, replay_greedy, speculative_decode
 from eyas.eval.workloads import WorkloadPrompt, render_turn
@@ -36,26 +36,20 @@ def run_eval(
     tokenizer,
     prompts: list[WorkloadPrompt],
     drafters: dict,
-    k: int,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    seed: int = 0,
-    tie_tolerance: float | None = None,
+    settings: EvalSettings,
     progress: bool = True,
-    replay: Collection[str] = (),
-    sampling: dict | None = None,
 ) -> dict:
     """Decode every turn of every prompt plainly and with each drafter.
 
     `drafters`: name -> drafter (`HeadDrafter`, `NgramDrafter`). The drafters named in
-    `replay` (token-only ones, greedy only) are walked over the plain output with
+    `settings.replay` (token-only ones, greedy only) are walked over the plain output with
     `replay_greedy` instead of decoded: the same acceptance, no decode time, no tok/s.
-    `sampling`: `speculative_decode`'s keywords at temperature > 0 (`top_k`, `top_p`,
-    `greedy_drafts`; `sampling_keywords` makes them from the recipe's eval section).
     Returns the report body: plain / per-drafter summaries, per-category and per-turn
     summaries, the lossless check (greedy, decoded drafters), the names replayed.
     """
-    replay = set(replay) if temperature <= 0 else set()
+    s = settings
+    k, max_new_tokens, temperature, seed = s.k, s.max_new_tokens, s.temperature, s.seed
+    replay = set(s.replay) if temperature <= 0 else set()
     unknown = replay - set(drafters)
     if unknown:
         raise ValueError(
@@ -63,7 +57,7 @@ def run_eval(
         )
     eos = stop_token_ids(model, tokenizer)
     device = model.get_output_embeddings().weight.device
-    tol = TIE_TOLERANCE.get(model.dtype, 1e-4) if tie_tolerance is None else tie_tolerance
+    tol = TIE_TOLERANCE.get(model.dtype, 1e-4) if s.tie_tolerance is None else s.tie_tolerance
     exact = model.dtype in EXACT_DTYPES
     plain_traces, traces = [], {name: [] for name in drafters}
     by_cat: dict[str, dict[str, list]] = {}
@@ -100,7 +94,7 @@ def run_eval(
                         else None
                     )
                     tr = speculative_decode(
-                        model, ids, drafter, k, max_new_tokens, eos, temperature, gen, **(sampling or {})
+                        model, ids, drafter, k, max_new_tokens, eos, temperature, gen, **s.sampling
                     )
                 traces[name].append(tr)
                 cat[name].append(tr)
@@ -259,13 +253,6 @@ def load_eval_head(head_dir: str, target):
     return head.to(device=device, dtype=embed.dtype if device.type == "cuda" else None).eval()
 
 
-def sampling_keywords(ev) -> dict:
-    """The eval section's sampler settings as `speculative_decode` keywords: vLLM drafts by
-    the drafter's argmax unless its `draft_sample_method` is probabilistic (DESIGN §6)."""
-    greedy = ev.sampler == "vllm" and ev.draft_sample_method == "greedy"
-    return {"top_k": ev.top_k, "top_p": ev.top_p, "greedy_drafts": greedy}
-
-
 def _replayed(drafters: dict, decode_baseline: bool) -> set[str]:
     """The baseline is replayed beside a head unless asked to decode; alone, it is what
     is being measured, so it is decoded."""
@@ -321,20 +308,8 @@ def evaluate(
         drafters[name] = HeadDrafter(load_eval_head(other, target))
     if ev.baseline == "ngram":
         drafters["ngram"] = NgramDrafter(ev.ngram_min, ev.ngram_max)
-    body = run_eval(
-        target.model,
-        target.tokenizer,
-        prompts,
-        drafters,
-        ev.k,
-        ev.max_new_tokens,
-        ev.temperature,
-        seed=ev.seed,
-        tie_tolerance=tie_tolerance,
-        progress=progress,
-        replay=_replayed(drafters, ev.decode_baseline),
-        sampling=sampling_keywords(ev),
-    )
+    settings = EvalSettings.from_section(ev, _replayed(drafters, ev.decode_baseline), tie_tolerance)
+    body = run_eval(target.model, target.tokenizer, prompts, drafters, settings, progress=progress)
     report = {
         "target": target.hub_id,
         "head": head,

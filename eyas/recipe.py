@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from eyas.core.problems import problem_lines
+from eyas.core.run_paths import RunPaths
 from eyas.heads.algorithms import AlgorithmSection
 
 # Drafted tokens per step: vLLM verifies K+1 positions per sequence; past a few dozen no
@@ -209,7 +211,6 @@ class TrainSection(_Section):
     log_every: int = Field(10, ge=1)
     logger: Literal["tensorboard", "wandb", "jsonl", "none"] = "jsonl"
     max_nonfinite_steps: int = Field(5, ge=0)
-    num_workers: int = Field(0, ge=0)
     eval_batches: PositiveInt | None = (
         None  # cap on eval micro-batches per evaluation (None: the whole split)
     )
@@ -248,7 +249,7 @@ class TrainSection(_Section):
             try:
                 extra[name] = get_algorithm(name).training.model_validate(value or {})
             except ValidationError as err:
-                raise ValueError("; ".join(_section_errors(err, f"train.{name}"))) from None
+                raise ValueError("; ".join(problem_lines(err, f"train.{name}"))) from None
         return self
 
     def section(self, name: str):
@@ -334,51 +335,10 @@ class Recipe(_Section):
     def paths(self) -> RunPaths:
         return RunPaths(Path(self.run_dir), Path(self.data.from_run) if self.data.from_run else None)
 
-
-class RunPaths:
-    """Where each stage of a run writes, all under one run directory, and the names of the
-    files it writes there: the one place a run's artifact names are spelt. A stage given
-    another directory (`prepare(out_dir=...)`, `eyas eval --out`) writes the same names
-    into it; the formats' own files (cache manifest, checkpoint state, head config) are
-    named by their modules."""
-
-    # In the prepared directory (data/prepare.py).
-    DATASET = "dataset"
-    TOKEN_FREQS = "token_freqs.safetensors"
-    PREPARED_META = "meta.json"
-    DROP_REPORT = "drop_report.json"
-    EVAL_PROMPTS = "eval_prompts.jsonl"
-    REGENERATED = "regenerated.jsonl"
-    ENGINE_LOG = "engine.log"
-    # In the run directory.
-    RECIPE = "recipe.yaml"  # the recipe the run trained with (train/loop.py)
-    METRICS = "metrics.jsonl"  # train.logger: jsonl
-    BUDGET = "budget.json"  # `eyas budget`
-    # In the eval directory.
-    EVAL_REPORT = "eval_report.json"
-    EVAL_REPORT_MD = "eval_report.md"
-    EVAL_PLOT = "eval_report.png"
-    PLAN = "plan.json"
-    PLAN_PLOT = "plan.png"
-    # In the bench-serve directory.
-    BENCH_SERVE_REPORT = "bench_serve.json"
-    BENCH_SERVE_POINTS = "points.jsonl"
-    BENCH_SERVE_PLOT = "bench_serve.png"
-
-    def __init__(self, root: Path, data_root: Path | None = None):
-        self.root = root
-        # the prepared data and cache: this run's own, or another run's (data.from_run)
-        self.data_root = data_root or root
-        self.prepared = self.data_root / "prepared"
-        self.cache = self.data_root / "cache"
-        self.checkpoints = root / "checkpoints"
-        self.export = root / "export"
-        self.eval = root / "eval"
-        self.bench_serve = root / "bench_serve"
-        self.recipe = root / self.RECIPE
-        self.metrics = root / self.METRICS
-        self.budget = root / self.BUDGET
-        self.eval_report = self.eval / self.EVAL_REPORT
+    def to_yaml(self) -> str:
+        """The recipe as YAML, for saving next to a run's artifacts (a method, so the trainer
+        writes it without importing this module)."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
 class RecipeError(ValueError):
@@ -407,25 +367,8 @@ def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
     return parsed
 
 
-def _section_errors(err: ValidationError, prefix: str) -> list[str]:
-    out = []
-    for e in err.errors():
-        loc = ".".join([prefix, *(str(p) for p in e["loc"])])
-        msg = e["msg"].removeprefix("Value error, ")
-        out.append(f"unknown key '{loc}'" if e["type"] == "extra_forbidden" else f"{loc}: {msg}")
-    return out
-
-
 def _format_errors(err: ValidationError, source: str) -> str:
-    lines = [f"{source}: invalid recipe"]
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
-            lines.append(f"  unknown key '{loc}'")
-        else:
-            msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"  {loc or '(top)'}: {msg}")
-    return "\n".join(lines)
+    return "\n".join([f"{source}: invalid recipe", *(f"  {line}" for line in problem_lines(err))])
 
 
 def recipe_from_dict(tree: dict, source: str = "<dict>", overrides: list[str] | None = None) -> Recipe:
@@ -453,8 +396,3 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     if not isinstance(tree, dict):
         raise RecipeError(f"{path}: a recipe must be a mapping of sections")
     return recipe_from_dict(tree, str(path), overrides)
-
-
-def dump_recipe(recipe: Recipe) -> str:
-    """The recipe as YAML, for saving next to a run's artifacts."""
-    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -20,6 +21,13 @@ class AlgorithmSection(BaseModel):
     """Base of an algorithm's `train.<name>` recipe section: unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid")
+
+    # What `eyas preflight` calls the activations a training step holds, and how many
+    # copies of one pass's activations per token they are (its memory estimate).
+    ACTIVATIONS: ClassVar[str] = "head activations"
+
+    def activation_copies(self) -> float:
+        return 1
 
 
 @dataclass(frozen=True)
@@ -38,10 +46,27 @@ class Algorithm:
     needs_mask_token: bool = False
     # The depth the planner assumes when none is given: that of the published heads.
     typical_num_layers: int = 1
+    # How a pushed head's model card names and tags it ("": the name).
+    card_title: str = ""
+    card_tag: str = ""
+    # The `norm_before_residual` vLLM's reader of this algorithm assumes when a config does
+    # not write it; None: vLLM's readers disagree, so a config must write it.
+    norm_before_residual_default: bool | None = None
+    # A head in the EAGLE layout that names no algorithm is read as the one with this set
+    # whose need of a mask token matches the config (EAGLE-3 without, P-EAGLE with one).
+    eagle_layout_default: bool = False
 
     def draft_passes(self, k: int) -> int:
         """Head forward passes per speculative step of K drafted tokens (the planner's cost)."""
         return 1 if self.parallel_drafting else k
+
+    @property
+    def title(self) -> str:
+        return self.card_title or self.name
+
+    @property
+    def tag(self) -> str:
+        return self.card_tag or self.name
 
     def loss_function(self) -> Callable:
         if callable(self.loss):
@@ -74,6 +99,25 @@ def get_algorithm(name: str) -> Algorithm:
     if name not in _REGISTRY:
         raise ValueError(f"unknown algorithm {name!r}; known: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
+
+
+def find_algorithm(name) -> Algorithm | None:
+    """The registered algorithm `name`, or None (a head file may name one we do not know)."""
+    _load_shipped()
+    return _REGISTRY.get(name) if isinstance(name, str) else None
+
+
+def eagle_layout_algorithm(has_mask_token: bool) -> str | None:
+    """The algorithm of an EAGLE-layout head that names none (`eagle_layout_default`)."""
+    _load_shipped()
+    return next(
+        (
+            a.name
+            for a in _REGISTRY.values()
+            if a.eagle_layout_default and a.needs_mask_token == has_mask_token
+        ),
+        None,
+    )
 
 
 def build_head(config):

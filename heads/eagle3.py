@@ -169,6 +169,11 @@ class Eagle3Training(AlgorithmSection):
     # ... on TTT steps 0..copy_attention_steps-1 (at most ttt_steps)
     copy_attention_steps: int = Field(1, ge=1)
 
+    ACTIVATIONS = "EAGLE-3 TTT activations"
+
+    def activation_copies(self) -> float:
+        return self.ttt_steps  # every unrolled step keeps its pass's activations
+
     @model_validator(mode="after")
     def _copy_steps_within_ttt(self) -> Eagle3Training:
         if self.copy_attention_steps > self.ttt_steps:
@@ -184,7 +189,10 @@ EAGLE3 = register(
         name="eagle3",
         head_class=Eagle3Head,
         training=Eagle3Training,
-        loss="eyas.train.algorithms:eagle3_loss",
+        loss="eyas.train.eagle3:eagle3_loss",
         speculators_architecture="Eagle3Speculator",
+        card_title="EAGLE-3",
+        norm_before_residual_default=False,
+        eagle_layout_default=True,
     )
 )

@@ -30,13 +30,8 @@ from eyas.heads.io import CONFIG_NAME as EYAS_CONFIG
 from eyas.heads.io import WEIGHTS_NAME as EYAS_WEIGHTS
 from eyas.heads.io import head_state_dict
 from eyas.heads.peagle import with_mask_row
-from eyas.heads.serving_config import (
-    build_eagle,
-    build_layer,
-    build_speculators,
-    speculative_config,
-    vllm_serve_command,
-)
+from eyas.heads.serving_build import build_eagle, build_layer, build_speculators
+from eyas.heads.serving_config import speculative_config, vllm_serve_command
 
 ExportFormat = Literal["speculators", "eagle"]
 CONFIG_NAME = "config.json"
@@ -49,8 +44,8 @@ class ExportFormatError(ValueError):
 
 
 # --- config ---------------------------------------------------------------------------
-# The schema and its builders live in heads/serving_config.py (DESIGN §5); these dicts are
-# what config.json holds.
+# The schema lives in heads/serving_config.py, its builders in heads/serving_build.py
+# (DESIGN §5); these dicts are what config.json holds.
 
 
 def transformer_layer_config(cfg: DraftHeadConfig) -> dict:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from eyas.heads.algorithms import algorithm_names, get_algorithm
+from eyas.core.problems import given
+from eyas.heads.algorithms import eagle_layout_algorithm, find_algorithm
 from eyas.heads.export import CONFIG_NAME, ExportFormatError
 from eyas.heads.io import CONFIG_NAME as EYAS_CONFIG
 from eyas.heads.serving_config import (
@@ -27,7 +28,6 @@ from eyas.heads.serving_config import (
     EyasEagleBlock,
     SpeculatorsBlock,
     SpeculatorsServingConfig,
-    given,
     layer_shape,
     parse_serving_config,
 )
@@ -256,7 +256,7 @@ def read_fields(
         top, layer, eagle_cfg = config.head, config.layer, config.head.eagle_config
         eyas = config.head.eyas or EyasEagleBlock()
         has_mask = given(top, "mask_token_id") or given(top, "ptd_token_id")
-        algo = eyas.algorithm or ("peagle" if has_mask else "eagle3")
+        algo = eyas.algorithm or eagle_layout_algorithm(has_mask)
         k = eyas.speculative_tokens if given(eyas, "speculative_tokens") else 5
         verifier, archs = eyas.verifier_name_or_path, list(eyas.target_architectures or [])
         where = ""
@@ -273,9 +273,10 @@ def read_fields(
 
     nbr = top.norm_before_residual
     if nbr is None and "norm_before_residual" not in invalid:
-        if algo == "eagle3":
-            nbr = False
-            notes.append("norm_before_residual absent: False, vLLM's EAGLE-3 default")
+        known = find_algorithm(algo)
+        if known is not None and known.norm_before_residual_default is not None:
+            nbr = known.norm_before_residual_default
+            notes.append(f"norm_before_residual absent: {nbr}, vLLM's {known.title} default")
         else:
             problems.append(
                 "norm_before_residual is not written (its default differs between vLLM's eagle3 and "
@@ -349,7 +350,8 @@ def read_fields(
 
 
 def _needs_mask(algo) -> bool:
-    return algo in algorithm_names() and get_algorithm(algo).needs_mask_token
+    known = find_algorithm(algo)
+    return known is not None and known.needs_mask_token
 
 
 def read_head_dir(head_dir: str | Path, target: TargetFacts | None = None) -> HeadDir:

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyas.core.hub_ids import looks_like_hub_id
+from eyas.core.run_paths import RunPaths
+from eyas.heads.algorithms import get_algorithm
 from eyas.heads.export import CONFIG_NAME, WEIGHTS_NAME, serve_command
 from eyas.heads.head_dir import detect_format
 from eyas.heads.load_export import export_config
-from eyas.recipe import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,6 @@ HEAD_FILES = (CONFIG_NAME, WEIGHTS_NAME)
 CARD_NAME = "README.md"
 TRAINING_SUMMARY = "training_summary.json"
 EVAL_REPORT = RunPaths.EVAL_REPORT
-ALGORITHM_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE (parallel drafting)"}
 
 
 class PushError(RuntimeError):
@@ -117,7 +117,8 @@ def model_card(head_dir: str | Path, repo_id: str, eval_report: str | Path | Non
     fmt = detect_format(d)
     cfg = export_config(d)
     target = cfg.verifier_name_or_path or "unknown"
-    algo = ALGORITHM_NAMES[cfg.algorithm]
+    algorithm = get_algorithm(cfg.algorithm)
+    algo = algorithm.title
     vocab = (
         f"{cfg.draft_vocab_size} of {cfg.vocab_size} target tokens (d2t/t2d map)"
         if cfg.uses_vocab_map
@@ -133,7 +134,7 @@ def model_card(head_dir: str | Path, repo_id: str, eval_report: str | Path | Non
         "library_name: vllm",
         "tags:",
         "- speculative-decoding",
-        f"- {'eagle3' if cfg.algorithm == 'eagle3' else 'p-eagle'}",
+        f"- {algorithm.tag}",
         "- eyas",
         "---",
         "",
@@ -155,7 +156,7 @@ def model_card(head_dir: str | Path, repo_id: str, eval_report: str | Path | Non
         f"{cfg.intermediate_size}) |",
         f"| options | {', '.join(options) or 'none'} |",
     ]
-    if cfg.algorithm == "peagle":
+    if algorithm.needs_mask_token:
         lines.append(f"| mask token id | {cfg.mask_token_id} |")
     lines.append("")
     summary_path = d / TRAINING_SUMMARY

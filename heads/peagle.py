@@ -151,17 +151,26 @@ class PEagleTraining(AlgorithmSection):
     # head spends its training on the depths it cannot draft yet.
     loss_weighting: Literal["element", "depth"] = "element"
 
+    ACTIVATIONS = "P-EAGLE COD activations"
+
+    def activation_copies(self) -> float:
+        """The elements COD keeps per token: depth d keeps a share max(r_min, r^d)."""
+        return sum(max(self.cod_r_min, self.cod_r**d) for d in range(self.num_depths))
+
 
 PEAGLE = register(
     Algorithm(
         name="peagle",
         head_class=PEagleHead,
         training=PEagleTraining,
-        loss="eyas.train.cod:peagle_loss",
+        loss="eyas.train.peagle:peagle_loss",
         speculators_architecture="PEagleSpeculator",
         parallel_drafting=True,
         trains_embedding=True,
         needs_mask_token=True,
         typical_num_layers=4,
+        card_title="P-EAGLE (parallel drafting)",
+        card_tag="p-eagle",
+        eagle_layout_default=True,
     )
 )

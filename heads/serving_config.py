@@ -2,13 +2,14 @@
 P-EAGLE), the original EAGLE-3 layout (a flat llama config) and the transformer layer
 config both nest.
 
-Export builds these models from a `DraftHeadConfig` and dumps them: a model's field order
-is the order config.json is written in, and a field that is left out when off or unset
-says so with `exclude_if` (tests/fixtures/exports pins the bytes). Import validates a raw
-config.json with the same models; every validation error becomes a problem naming its
-field path, and the fields that did validate are still read, so a reader reports every
-problem. What a value means against the verifier or against other fields (aux ids vs
-layers, mask id vs vocabulary, ...) is checked by the reader, `heads/head_dir.py`.
+Export builds these models from a `DraftHeadConfig` (heads/serving_build.py) and dumps
+them: a model's field order is the order config.json is written in, and a field that is
+left out when off or unset says so with `exclude_if` (tests/fixtures/exports pins the
+bytes). Import validates a raw config.json with the same models; every validation error
+becomes a problem naming its field path, and the fields that did validate are still read,
+so a reader reports every problem (core/problems.py). What a value means against the
+verifier or against other fields (aux ids vs layers, mask id vs vocabulary, ...) is
+checked by the reader, `heads/head_dir.py`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass, field
-from types import UnionType
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -28,13 +28,10 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
-    TypeAdapter,
-    ValidationError,
 )
-from pydantic.fields import FieldInfo
 
+from eyas.core.problems import given, validate_listing_problems
 from eyas.heads.algorithms import algorithm_names, get_algorithm
-from eyas.heads.config import DraftHeadConfig
 
 
 def _registered(name: str) -> str:
@@ -244,110 +241,6 @@ class EagleServingConfig(BaseModel):
 ServingConfig = SpeculatorsServingConfig | EagleServingConfig
 
 
-# --- export: from a DraftHeadConfig ----------------------------------------------------
-
-
-def build_layer(cfg: DraftHeadConfig) -> TransformerLayerConfig:
-    # vLLM's P-EAGLE (parallel drafting) reader copies neither option from the top level.
-    peagle = cfg.algorithm_spec.parallel_drafting
-    return TransformerLayerConfig(
-        model_type="llama",
-        architectures=["LlamaForCausalLM"],
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        hidden_act=cfg.hidden_act,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta,
-        rope_parameters=RopeParameters(rope_type="default", rope_theta=cfg.rope_theta),
-        max_position_embeddings=cfg.max_position_embeddings,
-        vocab_size=cfg.vocab_size,
-        attention_bias=False,
-        mlp_bias=False,
-        tie_word_embeddings=False,
-        num_aux_hidden_states=cfg.num_aux,
-        fc_norm=peagle and cfg.fc_norm,
-        norm_output=peagle and cfg.norm_output,
-    )
-
-
-def _head_fields(cfg: DraftHeadConfig) -> dict[str, Any]:
-    """The top-level head fields both layouts write."""
-    mask = cfg.mask_token_id if cfg.algorithm_spec.needs_mask_token else None
-    return dict(
-        draft_vocab_size=cfg.draft_vocab_size,
-        target_hidden_size=cfg.target_hidden_size,
-        norm_before_residual=cfg.norm_before_residual,
-        norm_before_fc=cfg.norm_before_fc,
-        fc_norm=cfg.fc_norm,
-        norm_output=cfg.norm_output,
-        eagle_aux_hidden_state_layer_ids=list(cfg.aux_layer_ids),
-        mask_token_id=mask,
-        ptd_token_id=mask,
-    )
-
-
-def _eyas_fields(cfg: DraftHeadConfig, ships_embedding: bool) -> dict[str, Any]:
-    return dict(
-        target_num_layers=cfg.target_num_layers,
-        target_model_type=cfg.target_model_type,
-        embedding_included=ships_embedding,
-    )
-
-
-def build_speculators(
-    cfg: DraftHeadConfig, verifier: str | None = None, ships_embedding: bool = False
-) -> SpeculatorsServingConfig:
-    verifier = verifier or cfg.verifier_name_or_path
-    if not verifier:
-        raise ValueError("the serving config needs the verifier's Hub id or path: pass --verifier")
-    method = ProposalMethod(
-        proposal_type="greedy",
-        speculative_tokens=cfg.speculative_tokens,
-        verifier_accept_k=1,
-        accept_tolerance=0.0,
-    )
-    return SpeculatorsServingConfig(
-        architectures=[get_algorithm(cfg.algorithm).speculators_architecture],
-        speculators_model_type=cfg.algorithm,
-        speculators_version=SPECULATORS_VERSION,
-        transformer_layer_config=build_layer(cfg),
-        **_head_fields(cfg),
-        speculators_config=SpeculatorsBlock(
-            algorithm=cfg.algorithm,
-            proposal_methods=[method],
-            default_proposal_method="greedy",
-            verifier=Verifier(name_or_path=verifier, architectures=list(cfg.target_architectures)),
-        ),
-        eyas=EyasBlock(**_eyas_fields(cfg, ships_embedding)),
-    )
-
-
-def build_eagle(
-    cfg: DraftHeadConfig, verifier: str | None = None, ships_embedding: bool = False
-) -> EagleServingConfig:
-    head = EagleHeadFields(
-        architectures=[EAGLE_ARCHITECTURE],
-        **_head_fields(cfg),
-        eagle_config=EagleBlock(
-            eagle_aux_hidden_state_layer_ids=list(cfg.aux_layer_ids),
-            use_aux_hidden_state=True,
-            norm_before_fc=cfg.norm_before_fc,
-        ),
-        eyas=EyasEagleBlock(
-            **_eyas_fields(cfg, ships_embedding),
-            algorithm=cfg.algorithm,
-            speculative_tokens=cfg.speculative_tokens,
-            verifier_name_or_path=verifier or cfg.verifier_name_or_path,
-            target_architectures=list(cfg.target_architectures),
-        ),
-    )
-    return EagleServingConfig(layer=build_layer(cfg), head=head)
-
-
 # --- import: a raw config.json ---------------------------------------------------------
 
 
@@ -371,128 +264,13 @@ def parse_serving_config(raw: dict, fmt: Literal["speculators", "eagle"]) -> Par
                 "config.json has a top-level model_type; the speculators format must not "
                 "(vLLM would not detect it as a speculators head)"
             )
-        spec, found, invalid = _validate(SpeculatorsServingConfig, raw)
+        spec, found, invalid = validate_listing_problems(SpeculatorsServingConfig, raw)
         return ParsedConfig(spec, problems + found, invalid)
-    layer, layer_problems, layer_invalid = _validate(TransformerLayerConfig, raw)
-    head, head_problems, head_invalid = _validate(EagleHeadFields, raw)
+    layer, layer_problems, layer_invalid = validate_listing_problems(TransformerLayerConfig, raw)
+    head, head_problems, head_invalid = validate_listing_problems(EagleHeadFields, raw)
     problems = layer_problems + [p for p in head_problems if p not in layer_problems]
     config = EagleServingConfig.model_construct(layer=layer, head=head)
     return ParsedConfig(config, problems, layer_invalid | head_invalid)
-
-
-def given(model: BaseModel | None, name: str) -> bool:
-    """Whether the config wrote `name` (even as null), as opposed to leaving it out."""
-    return model is not None and name in model.model_fields_set
-
-
-def _validate(cls: type[BaseModel], raw: dict) -> tuple[Any, list[str], set[str]]:
-    try:
-        return cls.model_validate(raw), [], set()
-    except ValidationError as err:
-        errors = err.errors()
-    problems, invalid = [], set()
-    for error in errors:
-        path, text = _problem(cls, raw, error)
-        invalid.add(path)
-        if text not in problems:
-            problems.append(text)
-    return _salvage(cls, raw, [e["loc"] for e in errors]), problems, invalid
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The model class inside an annotation (`M`, `M | None`, `list[M]`), if any."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if get_origin(annotation) in (Union, UnionType, list):
-        for arg in get_args(annotation):
-            found = _model_in(arg)
-            if found is not None:
-                return found
-    return None
-
-
-def _owner(cls: type[BaseModel], loc: tuple) -> tuple[int, FieldInfo | None]:
-    """How many parts of an error's location name the field it belongs to, and that
-    field: an item of a list of numbers belongs to the list, a union branch to the field."""
-    depth, info, model = 0, None, cls
-    for i, part in enumerate(loc):
-        if isinstance(part, str) and model is not None and part in model.model_fields:
-            info = model.model_fields[part]
-            depth, model = i + 1, _model_in(info.annotation)
-        elif not (isinstance(part, int) and model is not None):
-            break
-    return depth, info
-
-
-def _path(loc: tuple) -> str:
-    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(loc))
-
-
-def _value_at(raw: Any, loc: tuple) -> Any:
-    for part in loc:
-        raw = raw[part]
-    return raw
-
-
-def _problem(cls: type[BaseModel], raw: dict, error: dict) -> tuple[str, str]:
-    depth, info = _owner(cls, error["loc"])
-    loc = error["loc"][:depth]
-    path = _path(loc)
-    if error["type"] == "missing" and depth == len(error["loc"]):
-        hint = f" ({info.description})" if info is not None and info.description else ""
-        return path, f"{path} is missing{hint}"
-    value = _value_at(raw, loc)
-    expected = (info.json_schema_extra or {}).get("expected") if info is not None else None
-    if expected:
-        return path, f"{path} is {value!r}, expected {expected}"
-    msg = error["msg"]
-    return path, f"{path} is {value!r}; {msg[0].lower()}{msg[1:]}"
-
-
-def blank(cls: type[BaseModel]) -> BaseModel:
-    """A model with every field None, for a part of the config that is missing or refused."""
-    return cls.model_construct(
-        **{name: _blank_value(f) for name, f in cls.model_fields.items() if f.is_required()}
-    )
-
-
-def _blank_value(info: FieldInfo) -> Any:
-    model = _model_in(info.annotation)
-    return blank(model) if model is not None and get_origin(info.annotation) is not list else None
-
-
-def _salvage(cls: type[BaseModel], raw: Any, bad: list[tuple]) -> BaseModel:
-    """The model of `raw` with each refused value None and the rest validated."""
-    if not isinstance(raw, dict) or any(not loc for loc in bad):
-        return blank(cls)
-    values: dict[str, Any] = {}
-    for name, info in cls.model_fields.items():
-        if name not in raw:
-            if info.is_required():
-                values[name] = _blank_value(info)
-            continue
-        here = [loc[1:] for loc in bad if loc[0] == name]
-        values[name] = _salvage_value(info, raw[name], here) if here else _valid(info, raw[name])
-    return cls.model_construct(**values)
-
-
-def _salvage_value(info: FieldInfo, value: Any, bad: list[tuple]) -> Any:
-    model = _model_in(info.annotation)
-    if model is None or any(not loc for loc in bad):
-        return _blank_value(info) if info.is_required() else None
-    if isinstance(value, list):
-        return [
-            _salvage(model, item, [loc[1:] for loc in bad if loc[0] == i])
-            if any(loc[0] == i for loc in bad)
-            else model.model_validate(item)
-            for i, item in enumerate(value)
-        ]
-    return _salvage(model, value, bad)
-
-
-def _valid(info: FieldInfo, value: Any) -> Any:
-    """A value that passed validation, as validation makes it (nested models built)."""
-    return TypeAdapter(info.annotation).validate_python(value) if _model_in(info.annotation) else value
 
 
 # --- the llama defaults vLLM applies ---------------------------------------------------

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from eyas.recipe import RunPaths
+from eyas.core.run_paths import RunPaths
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {

@@ -39,8 +39,8 @@ def main() -> None:
     from torch.nn.attention.flex_attention import flex_attention
 
     from eyas.heads.layers import flex_kernel_options
-    from eyas.train.cod import cod_grid, compact
     from eyas.train.masks import peagle_block_mask
+    from eyas.train.peagle import cod_grid, compact
 
     shape = TARGET_SHAPES[args.target]
     heads, kv_heads, head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]

@@ -60,7 +60,7 @@ def load_bench_data(args):
     """The target, the ShareGPT batches (one warm-up + `args.steps`), their masked-token
     counts and whether the head runs under bf16 autocast."""
     from eyas.core.precision import resolve_mixed_precision
-    from eyas.data.prepare import token_frequencies
+    from eyas.data.samples import token_frequencies
     from eyas.target.load import load_target
 
     target = load_target("smollm2-135m", args.dtype, "cpu")
@@ -156,8 +156,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from eyas.heads.algorithms import get_algorithm
     from eyas.recipe import load_recipe
-    from eyas.train.algorithms import loss_function
     from eyas.train.build import HeadWithLoss, build_trainable_head, frozen_output, head_config_for
     from eyas.train.feed import FeatureSource
 
@@ -176,7 +176,7 @@ def main() -> None:
     torch.manual_seed(0)
     head = build_trainable_head(head_config_for(recipe, target.config), target.model, freqs)
     features = FeatureSource(target.model, list(head.config.aux_layer_ids), frozen_output(target.model), head)
-    model = HeadWithLoss(head, loss_function("eagle3"), recipe.train)
+    model = HeadWithLoss(head, get_algorithm("eagle3").loss_function(), recipe.train)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     tokens = [int(b["attention_mask"].sum()) for b in batches]
@@ -281,7 +281,7 @@ def _recipe_of(algorithm: str, overrides: list[str]):
 def compare_algorithms(args) -> None:
     """Each head's optimizer step on the same offline batches, the heads taking turns batch
     by batch (this CPU's speed drifts over minutes; turns keep the ratio fair)."""
-    from eyas.train.algorithms import loss_function
+    from eyas.heads.algorithms import get_algorithm
     from eyas.train.build import HeadWithLoss, build_trainable_head, frozen_output, head_config_for
     from eyas.train.feed import FeatureSource
 
@@ -302,7 +302,7 @@ def compare_algorithms(args) -> None:
         cfg = head_config_for(recipe, target.config, tokenizer=target.tokenizer, token_freqs=freqs)
         head = build_trainable_head(cfg, target.model, freqs)
         features = FeatureSource(target.model, list(cfg.aux_layer_ids), frozen_output(target.model), head)
-        model = HeadWithLoss(head, loss_function(cfg.algorithm), recipe.train)
+        model = HeadWithLoss(head, get_algorithm(cfg.algorithm).loss_function(), recipe.train)
         params = [p for p in model.parameters() if p.requires_grad]
         cached = [features.complete(dict(b))[0] for b in batches]  # the offline cache, in memory
         runs[name] = dict(

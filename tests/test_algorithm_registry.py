@@ -1,6 +1,7 @@
 """An algorithm is one registered object (heads/algorithms.py, DESIGN §1): a third one,
-registered here and nowhere else, trains through `eyas.train`, exports and loads back as
-its own head class, with no stage's code knowing its name."""
+registered here and nowhere else (this file plays its heads/<algo>.py and train/<algo>.py),
+trains through `eyas.train`, exports, validates, gets a model card and loads back as its
+own head class, with no stage's code knowing its name."""
 
 from __future__ import annotations
 
@@ -72,7 +73,9 @@ def test_an_unregistered_algorithm_is_refused_by_the_recipe(tmp_path):
 
 def test_a_registered_algorithm_trains_exports_and_loads(tmp_path, tiny_llama_dir, toy_registered):
     from eyas.heads.export import export_checkpoint
+    from eyas.heads.hub import model_card
     from eyas.heads.load_export import export_config, load_exported_head
+    from eyas.heads.validate import validate_export
     from eyas.recipe import RecipeError, recipe_from_dict
     from eyas.train.loop import train
 
@@ -97,3 +100,43 @@ def test_a_registered_algorithm_trains_exports_and_loads(tmp_path, tiny_llama_di
     cfg = export_config(out)
     head = load_exported_head(out, target_embed=torch.zeros(cfg.vocab_size, cfg.target_hidden_size))
     assert type(head) is ToyHead and head.config.algorithm == "toy"
+    assert validate_export(out) == []
+    card = model_card(out, "me/toy-head")
+    assert "A toy draft head" in card and "\n- toy\n" in card and "mask token" not in card
+
+
+def test_no_stage_compares_an_algorithm_name():
+    """What differs between algorithms is a field of their registration: outside their own
+    files (heads/<algo>.py, train/<algo>.py) and the registry, no package module compares
+    an algorithm's name, so a third algorithm changes no stage."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    names = set(algorithms.algorithm_names())
+    own = {root / "heads" / "algorithms.py"} | {
+        root / d / f"{n}.py" for d in ("heads", "train") for n in names
+    }
+    found = []
+    for folder in (
+        "eyas",
+        "eyas/commands",
+        "eyas/budget",
+        "core",
+        "target",
+        "data",
+        "heads",
+        "train",
+        "eval",
+    ):
+        for path in sorted((root / folder).glob("*.py")):
+            if path in own:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Compare) and any(
+                    isinstance(c, ast.Constant) and c.value in names
+                    for part in (node.left, *node.comparators)
+                    for c in ast.walk(part)
+                ):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "\n".join(found)

@@ -312,15 +312,20 @@ def test_cli_benches_a_head_directory_with_the_targets_prompts(fake_engine, tiny
     assert (out / "bench_serve.json").is_file() and (out / "bench_serve.png").is_file()
 
 
-def test_cli_refuses_bad_lists_and_a_missing_head(tmp_path):
+def test_cli_refuses_bad_lists_and_a_missing_head(tmp_path, capsys):
     from eyas.cli import main
 
-    with pytest.raises(SystemExit, match="--concurrency"):
-        main(["bench-serve", "--concurrency", "1,0"])
-    with pytest.raises(SystemExit, match="--repeats"):
-        main(["bench-serve", "--repeats", "0"])
-    with pytest.raises(SystemExit, match="no such head directory"):
-        main(["bench-serve", "--target", str(tmp_path), "--head", str(tmp_path / "nope")])
+    for argv, said in (
+        (["bench-serve", "--concurrency", "1,0"], "--concurrency"),
+        (["bench-serve", "--repeats", "0"], "--repeats"),
+        (
+            ["bench-serve", "--target", str(tmp_path), "--head", str(tmp_path / "nope")],
+            "no such head directory",
+        ),
+    ):
+        assert main(argv) == 1
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("eyas bench-serve: ") and said in last, last
 
 
 def test_sampled_levels_of_an_engine_that_never_accepts_deeper_are_marked_unreliable(

@@ -1,4 +1,4 @@
-"""The time budget (eyas/budget.py): the choice from measured rates, and the probe on a
+"""The time budget (eyas/budget/): the choice from measured rates, and the probe on a
 tiny target, whose regenerated replies prepare keeps."""
 
 import json

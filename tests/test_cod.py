@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from eyas.train.cod import cod_depth_counts, cod_grid, cod_sample, compact
 from eyas.train.masks import peagle_dense_mask, peagle_mask_mod, peagle_reference_mask
+from eyas.train.peagle import cod_depth_counts, cod_grid, cod_sample, compact
 
 
 def _gen(seed):

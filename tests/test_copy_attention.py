@@ -141,7 +141,7 @@ def test_no_copy_source_gives_a_zero_loss_that_still_backpropagates():
 @pytest.mark.parametrize("weight", [0.0, 0.5])
 def test_eagle3_loss_adds_the_weighted_copy_term(weight):
     from eyas.recipe import TrainSection
-    from eyas.train.algorithms import eagle3_loss
+    from eyas.train.eagle3 import eagle3_loss
     from eyas.train.losses import TargetLabels
 
     torch.manual_seed(0)

@@ -16,8 +16,8 @@ from eyas.cli import main
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.peagle import PEagleHead
-from eyas.train.cod import cod_grid, compact, element_inputs
 from eyas.train.masks import peagle_block_mask, peagle_dense_mask
+from eyas.train.peagle import cod_grid, compact, element_inputs
 from eyas.train.reference import ttt_unroll
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -127,8 +127,8 @@ def test_peagle_loss_over_many_batch_shapes_stays_compiled():
     import warnings
 
     from eyas.recipe import TrainSection
-    from eyas.train.cod import peagle_loss
     from eyas.train.losses import TargetLabels
+    from eyas.train.peagle import peagle_loss
 
     torch.manual_seed(0)
     head = PEagleHead(_cfg(algorithm="peagle", mask_token_id=V - 1, num_hidden_layers=2)).cuda()

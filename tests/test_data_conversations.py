@@ -253,3 +253,24 @@ def test_prepare_names_a_json_object_it_cannot_read_in_one_line(tmp_path, tiny_l
         f"eyas prepare: {path}: a top-level object, expected a list of conversations (keys: meta, payload)"
     )
     assert "Traceback" not in err
+
+
+def test_a_source_registered_in_the_table_is_read_by_prepare_and_eval(monkeypatch, tmp_path):
+    """Adding a named source is one entry in data/sources.py: the conversation reader and
+    the eval workloads both find it by name, and a missing name lists it among the shipped."""
+    from eyas.data import sources
+    from eyas.eval.workloads import load_workload
+
+    rows = [
+        {"id": "t0", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    ]
+    shipped = tmp_path / "toy.jsonl"
+    shipped.write_text(json.dumps(rows[0]) + "\n")
+    monkeypatch.setitem(sources.SOURCES, "toy", sources.NamedSource(rows=lambda: rows))
+    monkeypatch.setitem(sources.SOURCES, "toyfile", sources.NamedSource(path=lambda: shipped))
+    for name in ("toy", "toyfile"):
+        convs, _ = read_conversations([name])
+        assert convs == [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]]
+        assert [p.turns for p in load_workload(name)] == [["q"]]
+    with pytest.raises(NoUsableDataError, match="'toy', 'toyfile'"):
+        read_conversations(["tyo"])

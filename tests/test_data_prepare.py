@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from eyas.cli import main
-from eyas.data.prepare import load_prepared, load_token_frequencies, split_indices
+from eyas.data.prepare import load_prepared, load_token_frequencies
+from eyas.data.samples import split_indices
 
 
 def _write_corpus(path, n=30):
@@ -182,8 +183,8 @@ def test_records_of_another_prompt_cap_or_reply_length_are_generated_again(tiny_
 
 
 def test_max_turns_and_prompt_cap_limit_regeneration(tiny_llama_dir, tmp_path):
-    from eyas.data.prepare import keep_first_turns
     from eyas.data.regenerate import regenerate
+    from eyas.data.samples import keep_first_turns
     from eyas.target.load import load_target
 
     conv = [
@@ -472,7 +473,7 @@ def test_sliding_window_targets_keep_the_masks_transformers_builds(tiny_llama_di
 def test_repeated_conversations_are_dropped_and_counted(tiny_llama_dir, tmp_path):
     """The same prompt twice (with different dataset replies, as ShareGPT repeats
     questions) is regenerated once; without regeneration only exact repeats go."""
-    from eyas.data.prepare import duplicate_indices
+    from eyas.data.samples import duplicate_indices
 
     def conv(q, a):
         return [{"role": "user", "content": q}, {"role": "assistant", "content": a}]

@@ -273,7 +273,7 @@ def test_bfcl_train_and_test_split_by_question_number():
 
 
 def test_dedupe_keeps_one_question_asked_with_other_tools():
-    from eyas.data.prepare import duplicate_indices
+    from eyas.data.samples import duplicate_indices
 
     conv = _conv()
     other = [

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from eyas.train.batching import BatchStream
+from eyas.train.batching import BatchStream, Packing
 from eyas.train.loop import micro_batch_seed
 from eyas.train.metrics import make_logger
 
@@ -17,9 +17,8 @@ from eyas.train.metrics import make_logger
 def _stream(rank: int, world: int, accum: int) -> BatchStream:
     lengths = [3 + (i * 7) % 11 for i in range(40)]
     source = [{"input_ids": [1] * n, "loss_mask": [1] * n} for n in lengths]
-    return BatchStream(
-        source, lengths, [list(range(40))], 24, 4, seed=5, rank=rank, world=world, multiple_of=accum
-    )
+    packing = Packing(batch_tokens=24, max_batch_size=4, seed=5, multiple_of=accum)
+    return BatchStream(source, lengths, [list(range(40))], packing, rank=rank, world=world)
 
 
 def test_two_ranks_draw_the_micro_batches_and_seeds_of_one_process_with_accumulation():

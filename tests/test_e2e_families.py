@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from eyas.cli import main
+from eyas.heads.algorithms import get_algorithm
 from eyas.heads.config import head_config_from_target
 from eyas.heads.io import save_head
 from eyas.heads.load_export import load_any_head
@@ -14,7 +15,6 @@ from eyas.heads.validate import validate_export
 from eyas.recipe import TrainSection
 from eyas.target.features import compute_features, default_aux_layer_ids, target_norm_and_lm_head
 from eyas.target.load import load_target, text_config
-from eyas.train.algorithms import loss_function
 from eyas.train.build import build_trainable_head
 from eyas.train.losses import target_labels
 
@@ -44,7 +44,7 @@ def _batch(target, seed=0, b=2, t=24):
 @pytest.mark.parametrize("algorithm", ["eagle3", "peagle"])
 def test_train_export_validate_load_draft(tiny_target_dir, algorithm, tmp_path):
     try:
-        loss_fn = loss_function(algorithm)
+        loss_fn = get_algorithm(algorithm).loss_function()
     except NotImplementedError as err:
         pytest.skip(str(err))
     target = load_target(str(tiny_target_dir), dtype="float32", device="cpu")

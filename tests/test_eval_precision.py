@@ -4,6 +4,7 @@ keeps the model's own special tokens (harmony channels)."""
 
 import torch
 
+from eyas.eval.eval_settings import EvalSettings
 from eyas.eval.evaluate import eval_dtype, lossless_verdict, run_eval
 from eyas.eval.ngram import NgramDrafter
 from eyas.eval.report import format_report, lossless_line
@@ -36,9 +37,8 @@ def test_eval_on_a_tiny_moe_in_bf16_reports_a_rate_not_failed(tmp_path):
         WorkloadPrompt(id=f"p{i}", turns=[f"say {i} {i} {i} again", "more"], category="x") for i in range(3)
     ]
     # tolerance 0: every numerical difference counts as beyond it
-    body = run_eval(
-        model, tok, prompts, {"ngram": NgramDrafter(1, 3)}, 4, 24, tie_tolerance=0.0, progress=False
-    )
+    settings = EvalSettings(k=4, max_new_tokens=24, tie_tolerance=0.0)
+    body = run_eval(model, tok, prompts, {"ngram": NgramDrafter(1, 3)}, settings, progress=False)
     ll = body["lossless"]
     assert ll["exact"] is False and ll["dtype"] == "bfloat16" and ll["checked"] == 6
     assert ll["passed"] in (True, None)  # never False in bf16

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from eyas.cli import main
+from eyas.data.sources import mtbench_path
 from eyas.eval.ngram import ngram_propose
 from eyas.eval.report import summarize, verdicts
 from eyas.eval.speculate import DecodeTrace
-from eyas.eval.workloads import load_workload, mtbench_path, render_turn, subsample
+from eyas.eval.workloads import load_workload, render_turn, subsample
 
 
 def test_ngram_prefers_the_longest_match_and_its_earliest_occurrence():

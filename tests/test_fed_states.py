@@ -10,11 +10,11 @@ import torch
 from eyas.cli import main
 from eyas.data.cache import FeatureCache
 from eyas.data.fed_states import FED_STATES_DIR, FedStates, fed_state_layer_ids, write_fed_states
+from eyas.heads.algorithms import get_algorithm
 from eyas.heads.config import head_config_from_target
 from eyas.recipe import TrainSection
 from eyas.target.features import compute_features, default_aux_layer_ids, target_norm_and_lm_head
 from eyas.target.load import load_target, text_config
-from eyas.train.algorithms import loss_function
 from eyas.train.build import build_trainable_head
 from eyas.train.losses import target_labels
 
@@ -111,7 +111,7 @@ def test_zero_states_after_the_fed_tokens_leave_loss_and_gradients_unchanged(lla
         eagle3={"ttt_steps": 3, "ttt_decay": 0.8, "copy_attention_weight": 1.0},
         peagle={"num_depths": 4, "cod_r": 0.8, "cod_r_min": 0.2, "segment_length": None},
     )
-    loss_fn = loss_function(algorithm)
+    loss_fn = get_algorithm(algorithm).loss_function()
     norm, lm_head = target_norm_and_lm_head(model)
     results = []
     for zero_tail in (False, True):

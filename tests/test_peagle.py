@@ -9,8 +9,8 @@ from eyas.heads.config import DraftHeadConfig
 from eyas.heads.peagle import PEagleHead, choose_mask_token_id
 from eyas.recipe import TrainSection
 from eyas.train.batching import shift_left
-from eyas.train.cod import cod_grid, compact, element_label_slots, peagle_forward, peagle_loss
 from eyas.train.losses import TargetLabels
+from eyas.train.peagle import cod_grid, compact, element_label_slots, peagle_forward, peagle_loss
 
 V, AUX = 50, 72
 
@@ -295,8 +295,8 @@ def test_peagle_loss_overfits_one_batch_of_a_tiny_target(tiny_llama_dir):
 def _dense_and_flex_logits(head, elements, ids, aux):
     """The head's logits over `elements` under SDPA with the dense mask, and under flex
     attention with the block mask (the CUDA path, forward only here)."""
-    from eyas.train.cod import element_inputs
     from eyas.train.masks import peagle_block_mask, peagle_dense_mask
+    from eyas.train.peagle import element_inputs
 
     el = elements
     with torch.no_grad():

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from eyas.eval import planner as P
+from eyas.eval import sizes as S
 from eyas.eval.calibrate import CalibrationError, calibrate, predicted_tok_s
 
 RECORDED = Path(__file__).parent / "fixtures" / "bench_serve" / "smollm2_cpu_quickstart.json"
@@ -89,7 +90,7 @@ def test_an_ngram_level_costs_the_draft_tokens_it_verified(recorded):
         for p in recorded["points"]
         if p["drafter"] == "ngram" and p["concurrency"] == 8 and p["temperature"] == 0
     )
-    ngram = P.HeadSize("ngram", 0, 0.0, 0.0)
+    ngram = S.HeadSize("ngram", 0, 0.0, 0.0)
     measured = predicted_tok_s(cal.hardware, cal.target, ngram, point, recorded["workload"])
     every_step = {**point, "draft_tokens": point["k"] * point["output_tokens"] / point["tokens_per_forward"]}
     assert predicted_tok_s(cal.hardware, cal.target, ngram, every_step, recorded["workload"]) < 0.9 * measured
@@ -131,7 +132,7 @@ def test_plan_calibrate_cli_saves_a_profile_the_planner_reuses(recorded, tmp_pat
     assert body["max_heldout_error"] >= 0 and body["holdout_concurrency"] == [2]
     profile = Path(body["profile"])
     assert profile == bench.parent / "hardware-calibrated.json"
-    hw = P.load_hardware(str(profile))
+    hw = S.load_hardware(str(profile))
     assert hw.pass_overhead == pytest.approx(body["hardware"]["pass_overhead"])
     planned = run(
         "--hardware",
@@ -156,9 +157,9 @@ def test_hardware_profile_with_an_unknown_key_is_refused(tmp_path):
     bad = tmp_path / "hw.json"
     bad.write_text(json.dumps({"name": "x", "hbm_bandwidth": 1e9, "peak_flops": 1e9, "bandwith": 2}))
     with pytest.raises(ValueError, match="hw.json"):
-        P.load_hardware(str(bad))
+        S.load_hardware(str(bad))
     with pytest.raises(ValueError, match="unknown hardware"):
-        P.load_hardware("H300")
+        S.load_hardware("H300")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
@@ -167,7 +168,7 @@ def test_target_sizes_from_config_count_the_real_parameters(family):
 
     model = build_tiny_model(family)
     cfg = model.config.to_dict()
-    size = P.target_size_from_config(cfg)
+    size = S.target_size_from_config(cfg)
     real = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name)
     assert size.total_params == pytest.approx(real, rel=0.01)
     if family == "qwen3_moe":
@@ -178,8 +179,8 @@ def test_target_sizes_from_config_count_the_real_parameters(family):
 
 
 def test_vram_tax_counts_fewer_sequences_with_the_head():
-    hw, target = P.HARDWARE["H200"], P.TARGETS["gpt-oss-120b"]
-    head = P.head_size(target, "eagle3")
+    hw, target = S.HARDWARE["H200"], S.TARGETS["gpt-oss-120b"]
+    head = S.head_size(target, "eagle3")
     tax = P.vram_tax(hw, target, head, context=4096)
     budget = 141e9 * 0.9 - target.total_weight_bytes()
     assert tax["kv_budget_bytes"] == pytest.approx(budget)
@@ -187,7 +188,7 @@ def test_vram_tax_counts_fewer_sequences_with_the_head():
     assert 0 < tax["fewer_sequences"] < tax["sequences_plain"]
     assert tax["draft_kv_bytes_per_sequence"] == head.kv_per_token * 4096
     # a P-EAGLE head of four layers holds four layers of draft KV
-    pe = P.vram_tax(hw, target, P.head_size(target, "peagle", 4), context=4096)
+    pe = P.vram_tax(hw, target, S.head_size(target, "peagle", 4), context=4096)
     assert pe["draft_kv_bytes_per_token"] == 4 * tax["draft_kv_bytes_per_token"]
     assert pe["fewer_sequences"] > tax["fewer_sequences"]
 

@@ -2,12 +2,14 @@
 published P-EAGLE vs EAGLE-3 gains from published sizes."""
 
 import json
+import re
 
 import pytest
 
 from eyas.cli import main
 from eyas.core.acceptance import expected_tokens_per_step
-from eyas.eval.planner import HARDWARE, TARGETS, head_size, parse_target, plan
+from eyas.eval.planner import plan
+from eyas.eval.sizes import HARDWARE, TARGETS, head_size, parse_target
 
 ACC = [0.8, 0.75, 0.72, 0.7, 0.68, 0.66, 0.65]
 
@@ -159,20 +161,20 @@ def test_plan_cli_serves_the_head_the_report_measured(tmp_path, capsys):
         (["--acceptance", "0.7", "--context", "0"], "--context must be at least 1"),
     ],
 )
-def test_plan_names_the_bad_flag(flags, message, tmp_path):
-    with pytest.raises(SystemExit, match=message):
-        main(
-            ["plan", *flags, "--hardware", "H200", "--target-params", "llama-3.1-8b", "--out", str(tmp_path)]
-        )
+def test_plan_names_the_bad_flag(flags, message, tmp_path, capsys):
+    argv = ["plan", *flags, "--hardware", "H200", "--target-params", "llama-3.1-8b", "--out", str(tmp_path)]
+    assert main(argv) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("eyas plan: ") and re.search(message, last), last
 
 
 @pytest.mark.parametrize(
     "content", ["", "{not json", "[1, 2]", '{"drafters": {"head": {"per_position_acceptance": [0.5, 7]}}}']
 )
-def test_plan_names_a_damaged_report(content, tmp_path):
+def test_plan_names_a_damaged_report(content, tmp_path, capsys):
     path = tmp_path / "eval_report.json"
     path.write_text(content)
-    with pytest.raises(SystemExit, match=str(path)):
+    assert (
         main(
             [
                 "plan",
@@ -186,6 +188,9 @@ def test_plan_names_a_damaged_report(content, tmp_path):
                 str(tmp_path),
             ]
         )
+        == 1
+    )
+    assert str(path) in capsys.readouterr().err
 
 
 def test_plan_for_a_head_that_never_pays_says_do_not_speculate(tmp_path, capsys):

@@ -21,7 +21,8 @@ from test_export_helpers import HT, VT, random_head
 from eyas.heads.export import export_head
 from eyas.heads.head_dir import TargetFacts, read_head_dir
 from eyas.heads.load_export import export_config
-from eyas.heads.serving_config import build_eagle, build_speculators, parse_serving_config
+from eyas.heads.serving_build import build_eagle, build_speculators
+from eyas.heads.serving_config import parse_serving_config
 
 GOLDEN = Path(__file__).parent / "fixtures" / "exports"
 WEIGHTS_SHA = "weights.json"

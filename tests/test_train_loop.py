@@ -102,7 +102,9 @@ def test_repeated_nonfinite_losses_stop_with_checkpoint(online_run, tmp_path, mo
         stats.loss = stats.loss * float("nan")
         return stats
 
-    monkeypatch.setattr(loop, "loss_function", lambda name: nan_loss)
+    from eyas.heads.algorithms import Algorithm
+
+    monkeypatch.setattr(Algorithm, "loss_function", lambda self: nan_loss)
     recipe = _with(online_run, tmp_path / "run", max_steps=20, max_nonfinite_steps=2, save_every=0)
     _link_prepared(online_run, recipe)
     with pytest.raises(loop.TrainingStopped, match="non-finite"):

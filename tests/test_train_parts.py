@@ -5,9 +5,10 @@ import os
 import pytest
 import torch
 
-from eyas.train.algorithms import eagle3_loss, loss_function
-from eyas.train.batching import BatchStream, DataPosition, collate, pack_group, plan_epoch
+from eyas.heads.algorithms import get_algorithm
+from eyas.train.batching import BatchStream, DataPosition, Packing, collate, pack_group, plan_epoch
 from eyas.train.checkpoint import latest_checkpoint, list_checkpoints
+from eyas.train.eagle3 import eagle3_loss
 from eyas.train.loop import cosine_with_warmup
 from eyas.train.metrics import AccuracyMeter
 from eyas.train.step_stats import StepStats
@@ -30,9 +31,7 @@ def _stream(position=None, rank=0, world=1):
         source,
         lengths,
         groups,
-        batch_tokens=64,
-        max_batch_size=4,
-        seed=3,
+        Packing(batch_tokens=64, max_batch_size=4, seed=3),
         rank=rank,
         world=world,
         position=position,
@@ -131,9 +130,9 @@ def test_meter_reports_named_loss_terms_as_batch_means():
 
 
 def test_registry():
-    assert loss_function("eagle3") is eagle3_loss
+    assert get_algorithm("eagle3").loss_function() is eagle3_loss
     with pytest.raises(ValueError, match="unknown algorithm 'nope'"):
-        loss_function("nope")
+        get_algorithm("nope").loss_function()
 
 
 def test_latest_checkpoint_ignores_incomplete(tmp_path):

@@ -117,6 +117,28 @@ def collate(samples: list[dict], pad_id: int = 0, pad_to_multiple_of: int = 1) -
     return out
 
 
+@dataclass(frozen=True)
+class Packing:
+    """How a run packs samples into micro-batches, built once from `train.*` (`from_train`)
+    and handed whole to every stream."""
+
+    batch_tokens: int
+    max_batch_size: int
+    seed: int
+    multiple_of: int = 1  # an epoch's micro-batches per rank: a multiple of this (grad_accum)
+    pad_to_multiple_of: int = 1
+
+    @classmethod
+    def from_train(cls, train_cfg) -> Packing:
+        return cls(
+            batch_tokens=train_cfg.batch_tokens,
+            max_batch_size=train_cfg.max_batch_size,
+            seed=train_cfg.seed,
+            multiple_of=train_cfg.grad_accum,
+            pad_to_multiple_of=train_cfg.pad_to_multiple_of,
+        )
+
+
 @dataclass
 class DataPosition:
     """Where the loader stands: `batches` micro-batches of epoch `epoch` are consumed
@@ -141,21 +163,17 @@ class BatchStream:
         source,
         lengths: Sequence[int],
         groups: Sequence[Sequence[int]],
-        batch_tokens: int,
-        max_batch_size: int,
-        seed: int,
+        packing: Packing,
         rank: int = 0,
         world: int = 1,
-        multiple_of: int = 1,
         pad_id: int = 0,
         position: DataPosition | None = None,
-        pad_to_multiple_of: int = 1,
     ):
         self.source, self.lengths, self.groups = source, list(lengths), groups
-        self.batch_tokens, self.max_batch_size, self.seed = batch_tokens, max_batch_size, seed
+        self.packing = packing
         self.rank, self.world = rank, world
-        self.multiple_of = max(1, multiple_of) * world
-        self.pad_id, self.pad_to_multiple_of = pad_id, pad_to_multiple_of
+        self.multiple_of = max(1, packing.multiple_of) * world
+        self.pad_id = pad_id
         self.position = position or DataPosition()
         self._plan_epoch: int | None = None
         self._plan: list[list[int]] = []
@@ -163,14 +181,9 @@ class BatchStream:
 
     def plan(self, epoch: int) -> list[list[int]]:
         if self._plan_epoch != epoch:
+            p = self.packing
             self._plan = plan_epoch(
-                self.lengths,
-                self.groups,
-                self.batch_tokens,
-                self.max_batch_size,
-                self.seed,
-                epoch,
-                self.multiple_of,
+                self.lengths, self.groups, p.batch_tokens, p.max_batch_size, p.seed, epoch, self.multiple_of
             )
             self._plan_epoch = epoch
             if not self._plan:
@@ -198,7 +211,7 @@ class BatchStream:
         indices = plan[self.position.batches + self.rank]
         self.last_index = (self.position.epoch, self.position.batches + self.rank)
         self.position = DataPosition(self.position.epoch, self.position.batches + self.world)
-        batch = collate([self._sample(i) for i in indices], self.pad_id, self.pad_to_multiple_of)
+        batch = collate([self._sample(i) for i in indices], self.pad_id, self.packing.pad_to_multiple_of)
         batch["index"] = torch.tensor(indices, dtype=torch.long)  # the samples' indices in `source`
         return batch
 
@@ -211,42 +224,14 @@ class BatchStream:
         )
 
 
-def offline_stream(cache, train_cfg, rank=0, world=1, position=None, pad_id: int = 0) -> BatchStream:
-    """Batches from a `FeatureCache` (aux and last included)."""
-    return BatchStream(
-        cache,
-        cache.lengths,
-        cache_groups(cache),
-        train_cfg.batch_tokens,
-        train_cfg.max_batch_size,
-        train_cfg.seed,
-        rank,
-        world,
-        train_cfg.grad_accum,
-        pad_id,
-        position,
-        train_cfg.pad_to_multiple_of,
-    )
+def cache_samples(cache) -> tuple:
+    """(source, lengths, groups) of a `FeatureCache` (aux and last included): a shard is a group."""
+    return cache, cache.lengths, cache_groups(cache)
 
 
-def online_stream(
-    dataset, train_cfg, rank=0, world=1, position=None, pad_id: int = 0, group_batches: int = 64
-) -> BatchStream:
-    """Batches of token ids from a prepared split; features come from the target later."""
+def dataset_samples(dataset, packing: Packing, group_batches: int = 64) -> tuple:
+    """(source, lengths, groups) of a prepared split, token ids only (features come from
+    the target later): seeded groups of `group_batches` full micro-batches."""
     lengths = [len(x) for x in dataset["input_ids"]]
-    group_size = max(1, group_batches * train_cfg.max_batch_size)
-    groups = dataset_groups(len(lengths), train_cfg.seed, group_size)
-    return BatchStream(
-        dataset.with_format(None),
-        lengths,
-        groups,
-        train_cfg.batch_tokens,
-        train_cfg.max_batch_size,
-        train_cfg.seed,
-        rank,
-        world,
-        train_cfg.grad_accum,
-        pad_id,
-        position,
-        train_cfg.pad_to_multiple_of,
-    )
+    group_size = max(1, group_batches * packing.max_batch_size)
+    return dataset.with_format(None), lengths, dataset_groups(len(lengths), packing.seed, group_size)

@@ -210,8 +210,9 @@ def init_from_config(
             "(the head's own values are used) or train a fresh head"
         )
     mask_id = imported.mask_token_id
-    if h.algorithm == "peagle" and (imported.algorithm != "peagle" or h.mask_token_id is not None):
-        if imported.algorithm == "peagle" and h.mask_token_id != imported.mask_token_id:
+    needs_mask, had_mask = (get_algorithm(a).needs_mask_token for a in (h.algorithm, imported.algorithm))
+    if needs_mask and (not had_mask or h.mask_token_id is not None):
+        if had_mask and h.mask_token_id != imported.mask_token_id:
             raise InitFromError(
                 f"train.init_from: head.mask_token_id = {h.mask_token_id}, but {source} trained "
                 f"mask token {imported.mask_token_id}"
@@ -219,7 +220,7 @@ def init_from_config(
         mask_id = choose_mask_token_id(
             tokenizer, text.vocab_size, explicit=h.mask_token_id, token_freqs=token_freqs
         )
-    if h.algorithm == "eagle3":
+    if not needs_mask:
         mask_id = None
     return imported.model_copy(
         update=dict(
@@ -271,7 +272,11 @@ def head_from_checkpoint(
             fresh.append(name)
     appended = [f"layers.{i}" for i in range(source.config.num_hidden_layers, config.num_hidden_layers)]
     fresh = [n for n in fresh if not n.startswith(tuple(a + "." for a in appended))] + appended
-    if config.algorithm == "peagle" and source.config.algorithm != "peagle" and own_embedding:
+    if (
+        get_algorithm(config.algorithm).needs_mask_token
+        and not get_algorithm(source.config.algorithm).needs_mask_token
+        and own_embedding
+    ):
         head.mask_embedding.copy_(head.embed_tokens.weight.mean(0))
     for layer in head.layers[source.config.num_hidden_layers :]:
         layer.self_attn.o_proj.weight.zero_()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from eyas.data.prepare import read_prepared_digest
-from eyas.train.batching import BatchStream, offline_stream, online_stream
+from eyas.train.batching import BatchStream, Packing, cache_samples, dataset_samples
 from eyas.train.build import FrozenOutput
 from eyas.train.fastpath import draft_first_lm_head, valid_row_labels
 
@@ -99,6 +99,8 @@ def open_split(recipe, head_cfg, split: str):
 
 
 def batch_stream(recipe, source, rank, world, position=None, pad_id=0) -> BatchStream:
-    if recipe.data.features == "offline":
-        return offline_stream(source, recipe.train, rank, world, position, pad_id)
-    return online_stream(source, recipe.train, rank, world, position, pad_id)
+    """This rank's stream over a split: the feature cache's samples (offline features) or
+    the prepared dataset's, packed as `train.*` says."""
+    packing = Packing.from_train(recipe.train)
+    samples = cache_samples(source) if recipe.data.features == "offline" else dataset_samples(source, packing)
+    return BatchStream(*samples, packing, rank, world, pad_id, position)

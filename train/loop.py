@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from eyas.train.algorithms import loss_function
+from eyas.heads.algorithms import get_algorithm
 from eyas.train.batching import DataPosition
 from eyas.train.build import HeadWithLoss, frozen_output, initial_head
 from eyas.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
@@ -172,7 +172,9 @@ def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool = Tru
     steps_per_epoch = max(1, stream.batches_per_epoch() // (world * cfg.grad_accum))
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
 
-    model = shard_head(accelerator, HeadWithLoss(head, loss_function(head_cfg.algorithm), cfg))
+    model = shard_head(
+        accelerator, HeadWithLoss(head, get_algorithm(head_cfg.algorithm).loss_function(), cfg)
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=cfg.learning_rate, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
@@ -288,13 +290,11 @@ def _resume(run: Run, earlier: EarlierRun) -> None:
 def _open_logger(recipe, accelerator, resume_step, state: TrainerState):
     """The metrics logger (rank 0 only), after writing the recipe this run trains under
     from now on; a resumed run continues its logs from the checkpoint's step."""
-    from eyas.recipe import dump_recipe
-
     paths = recipe.paths
     if not accelerator.is_main_process:
         return make_logger("none", paths.root)
     paths.root.mkdir(parents=True, exist_ok=True)
-    paths.recipe.write_text(dump_recipe(recipe))
+    paths.recipe.write_text(recipe.to_yaml())
     return make_logger(
         recipe.train.logger,
         paths.root,

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from eyas.core.acceptance import expected_tokens_per_step
-from eyas.recipe import RunPaths
+from eyas.core.run_paths import RunPaths
 
 log = logging.getLogger(__name__)
 

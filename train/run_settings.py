@@ -34,7 +34,6 @@ OPERATIONAL_TRAIN_KEYS = frozenset(
         "eval_batches",
         "resume",
         "cpu_threads",
-        "num_workers",
         "compile_loss",
         "max_nonfinite_steps",
     }

@@ -1,6 +1,6 @@
 """One training step of a recipe's draft head on synthetic features, at a target's shapes:
 what `scripts/bench_head_step.py` times on a GPU node and what the quickstart's time budget
-(eyas/budget.py) times on this machine before it sizes a run. No target weights are
+(eyas/budget/probe.py) times on this machine before it sizes a run. No target weights are
 needed: the embeddings, LM head and features are random at a residual stream's scale, and
 the step is the trainer's own (labels from the LM head, the recipe's loss under its
 autocast, backward, clipping, AdamW).
@@ -63,8 +63,8 @@ def build_head_step(recipe, target_config, verifier: str, device, rows: int) -> 
     """The recipe's head over `target_config`'s dimensions and its training step on `device`;
     `rows`: the tokens a step holds, which the bf16-or-float32 choice is timed at."""
     from eyas.core.precision import resolve_dtype, resolve_mixed_precision, shapes_of_config
+    from eyas.heads.algorithms import get_algorithm
     from eyas.heads.layers import RMSNorm
-    from eyas.train.algorithms import loss_function
     from eyas.train.build import head_config_for, head_from_target_weights
     from eyas.train.fastpath import draft_first_lm_head, valid_row_labels
 
@@ -89,7 +89,7 @@ def build_head_step(recipe, target_config, verifier: str, device, rows: int) -> 
     target_lm = draft_first_lm_head(lm_head.to(device, target_dtype), head.draft_token_ids())
     del embed, lm_head
     cfg = recipe.train
-    loss_fn = loss_function(head_cfg.algorithm)
+    loss_fn = get_algorithm(head_cfg.algorithm).loss_function()
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=tuple(cfg.betas))
     step_gen = torch.Generator(device=device).manual_seed(0)

@@ -1,9 +1,17 @@
-"""Arguments every recipe-driven stage shares."""
+"""Arguments every recipe-driven stage shares, and the one way a command reports an error."""
 
 from __future__ import annotations
 
 import argparse
-import sys
+
+
+class CommandError(Exception):
+    """A failure a command names for its user: `eyas.cli.main` prints `eyas STAGE: message`
+    on stderr (never a traceback, also under -v) and exits with `code`."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
 
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,8 +35,3 @@ def load_recipe_from_args(args: argparse.Namespace, writes: str | None = None):
 
         claim_run_dir(recipe.run_dir, writes)
     return recipe
-
-
-def not_implemented(stage: str) -> int:
-    print(f"eyas {stage}: not implemented yet", file=sys.stderr)
-    return 2

@@ -20,7 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
-from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
+from eyas.commands._common import CommandError, add_recipe_arguments, load_recipe_from_args
 
 log = logging.getLogger(__name__)
 ROOT_VENV_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
@@ -88,13 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _numbers(flag: str, text: str, cast=int, low: float = 1) -> list:
-    """A comma list of numbers, each at least `low` (SystemExit naming the flag)."""
+    """A comma list of numbers, each at least `low` (a CommandError naming the flag)."""
     try:
         values = [cast(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"eyas bench-serve: {flag} {text!r}: expected numbers a,b,...") from None
+        raise CommandError(f"{flag} {text!r}: expected numbers a,b,...") from None
     if not values or any(v < low for v in values):
-        raise SystemExit(f"eyas bench-serve: {flag} values must be at least {low}, got {text!r}")
+        raise CommandError(f"{flag} values must be at least {low}, got {text!r}")
     return values
 
 
@@ -107,9 +107,7 @@ def _heads(specs: list[str], default_export: Path) -> list[tuple[str, str]]:
         if not sep or "/" in name or not name:
             name, head = ("head" if i == 0 else f"head{i + 1}"), spec
         if name in seen:
-            raise SystemExit(
-                f"eyas bench-serve: --head name {name!r} is used twice or names a built-in drafter"
-            )
+            raise CommandError(f"--head name {name!r} is used twice or names a built-in drafter")
         seen.add(name)
         out.append((name, head))
     return out
@@ -129,6 +127,7 @@ def first_turn_prompts(
 def run(args: argparse.Namespace) -> int:
     from eyas.core.engine_process import EngineError
     from eyas.eval import bench_serve as B
+    from eyas.eval.bench_settings import BenchSettings, Drafter, head_drafter
     from eyas.eval.workloads import WorkloadError
     from eyas.heads.fetch import fetch_head
     from eyas.heads.validate import ExportFormatError
@@ -139,14 +138,14 @@ def run(args: argparse.Namespace) -> int:
     conc = _numbers("--concurrency", args.concurrency)
     temps = _numbers("--temperatures", args.temperatures, float, 0)
     if args.repeats < 1:
-        raise SystemExit(f"eyas bench-serve: --repeats must be at least 1, got {args.repeats}")
+        raise CommandError(f"--repeats must be at least 1, got {args.repeats}")
     recipe = load_recipe_from_args(args)
     ev = recipe.eval
     target = resolve_target_path(args.target or recipe.target.name_or_path)
-    drafters = [B.Drafter("plain", "plain")]
+    drafters = [Drafter("plain", "plain")]
     if not args.no_ngram:
         drafters.append(
-            B.Drafter(
+            Drafter(
                 "ngram",
                 "ngram",
                 ngram_min=args.ngram_min or ev.ngram_min,
@@ -155,14 +154,14 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         for name, spec in _heads(args.head, recipe.paths.export):
-            drafters.append(B.head_drafter(name, str(fetch_head(spec))))
+            drafters.append(head_drafter(name, str(fetch_head(spec))))
         prompts = first_turn_prompts(
             target, args.workload or ev.workload, args.max_prompts, recipe.target.trust_remote_code
         )
     except (B.BenchError, ExportFormatError, WorkloadError) as err:
-        raise SystemExit(f"eyas bench-serve: {err}") from None
+        raise CommandError(f"{err}") from None
     python = args.vllm_python or (str(ROOT_VENV_PYTHON) if ROOT_VENV_PYTHON.is_file() else sys.executable)
-    settings = B.BenchSettings(
+    settings = BenchSettings(
         target=target,
         drafters=drafters,
         prompts=prompts,
@@ -186,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = B.run_bench(settings, out, progress=not args.no_progress)
     except (B.BenchError, EngineError) as err:
-        raise SystemExit(f"eyas bench-serve: {err}") from None
+        raise CommandError(f"{err}") from None
     if args.json:
         print(json.dumps(report))
     else:

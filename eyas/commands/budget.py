@@ -22,7 +22,7 @@ import json
 import os
 import sys
 
-from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
+from eyas.commands._common import CommandError, add_recipe_arguments, load_recipe_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,8 +52,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         budget_s = parse_duration(args.budget)
     except BudgetError as err:
-        print(f"eyas budget: {err}", file=sys.stderr)
-        return 2
+        raise CommandError(str(err), code=2) from None
     if args.report:
         return _report(args, budget_s)
     recipe = load_recipe_from_args(args, writes="prepare")
@@ -62,8 +61,7 @@ def run(args: argparse.Namespace) -> int:
         with _stdout_to_stderr():
             sized = size_run(recipe, budget_s, args.spent, fixed, progress=not args.no_progress)
     except BudgetError as err:
-        print(f"eyas budget: {err}", file=sys.stderr)
-        return 1
+        raise CommandError(str(err)) from None
     for line in sized["reasons"]:
         print(f"eyas budget: {line}", file=sys.stderr)
     print(f"eyas budget: written to {recipe.paths.budget}", file=sys.stderr)

@@ -18,7 +18,7 @@ import json
 import logging
 import sys
 
-from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
+from eyas.commands._common import CommandError, add_recipe_arguments, load_recipe_from_args
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +138,5 @@ def run(args: argparse.Namespace) -> int:
         print(format_report(report))
         print(f"wrote {paths['json']}, {paths['markdown']}, {paths['png']}")
     if report["lossless"]["passed"] is False:  # None: reduced precision, a rate instead
-        print(
-            "eyas eval: FAILED: speculative greedy output differs from plain greedy decoding", file=sys.stderr
-        )
-        return 1
+        raise CommandError("FAILED: speculative greedy output differs from plain greedy decoding")
     return 0

@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
+from eyas.commands._common import CommandError, add_recipe_arguments, load_recipe_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -163,8 +163,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         out_dir = export_checkpoint(ckpt, out, fmt=fmt, dtype=DTYPES[args.dtype], verifier=verifier)
     except (ExportFormatError, ValueError, FileNotFoundError) as err:
-        print(f"eyas export: {err}", file=sys.stderr)
-        return 1
+        raise CommandError(str(err)) from None
     write_training_summary(ckpt, out_dir)
     problems = validate_export(out_dir)
     from eyas.heads.config import DraftHeadConfig

@@ -24,11 +24,11 @@ import json
 import sys
 from pathlib import Path
 
-from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
+from eyas.commands._common import CommandError, add_recipe_arguments, load_recipe_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eyas.eval.planner import HARDWARE, TARGETS
+    from eyas.eval.sizes import HARDWARE, TARGETS
     from eyas.heads.algorithms import algorithm_names
 
     add_recipe_arguments(parser)
@@ -83,22 +83,18 @@ def _acceptance(args, recipe) -> tuple[list[float], str | None, str, str | None]
         try:
             rates = [float(x) for x in args.acceptance.split(",")]
         except ValueError:
-            raise SystemExit(
-                f"eyas plan: --acceptance {args.acceptance!r}: expected numbers a1,a2,..."
-            ) from None
+            raise CommandError(f"--acceptance {args.acceptance!r}: expected numbers a1,a2,...") from None
         return _checked_rates(rates, "--acceptance"), None, "--acceptance", None
     path = Path(args.report) if args.report else recipe.paths.eval_report
     if not path.is_file():
-        raise SystemExit(f"eyas plan: no report at {path}; run `eyas eval` or pass --acceptance a1,a2,...")
+        raise CommandError(f"no report at {path}; run `eyas eval` or pass --acceptance a1,a2,...")
     try:
         report = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise SystemExit(
-            f"eyas plan: {path} is not a JSON eval report ({err}); run `eyas eval` again"
-        ) from None
+        raise CommandError(f"{path} is not a JSON eval report ({err}); run `eyas eval` again") from None
     head = report.get("drafters", {}).get("head") if isinstance(report, dict) else None
     if not head or not head.get("per_position_acceptance"):
-        raise SystemExit(f"eyas plan: {path} holds no head acceptance (was eval run without --head?)")
+        raise CommandError(f"{path} holds no head acceptance (was eval run without --head?)")
     rates = [r for r in head["per_position_acceptance"] if r is not None]
     return _checked_rates(rates, str(path)), report.get("algorithm"), str(path), report.get("head")
 
@@ -107,14 +103,12 @@ def _checked_rates(rates: list, source: str) -> list[float]:
     """Acceptance rates are probabilities: anything outside [0, 1] is a typo or a damaged report."""
     bad = [r for r in rates if not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0]
     if bad or not rates:
-        raise SystemExit(
-            f"eyas plan: {source}: per-position acceptances must be numbers in [0, 1], got {rates}"
-        )
+        raise CommandError(f"{source}: per-position acceptances must be numbers in [0, 1], got {rates}")
     return [float(r) for r in rates]
 
 
 def _check_flags(args) -> list[int]:
-    """The numeric flags in range (SystemExit naming the flag); returns the concurrencies."""
+    """The numeric flags in range (a CommandError naming the flag); returns the concurrencies."""
     from eyas.recipe import MAX_K
 
     for flag, value, low in (
@@ -125,19 +119,17 @@ def _check_flags(args) -> list[int]:
         ("--serve-concurrency", args.serve_concurrency, 1),
     ):
         if value is not None and value < low:
-            raise SystemExit(f"eyas plan: {flag} must be at least {low}, got {value}")
+            raise CommandError(f"{flag} must be at least {low}, got {value}")
     if args.max_k > MAX_K:
-        raise SystemExit(f"eyas plan: --max-k must be at most {MAX_K}, got {args.max_k}")
+        raise CommandError(f"--max-k must be at most {MAX_K}, got {args.max_k}")
     if not args.concurrency:
         return []
     try:
         conc = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
-        raise SystemExit(
-            f"eyas plan: --concurrency {args.concurrency!r}: expected whole numbers b1,b2,..."
-        ) from None
+        raise CommandError(f"--concurrency {args.concurrency!r}: expected whole numbers b1,b2,...") from None
     if any(c < 1 for c in conc):
-        raise SystemExit(f"eyas plan: --concurrency values must be at least 1, got {args.concurrency}")
+        raise CommandError(f"--concurrency values must be at least 1, got {args.concurrency}")
     return conc
 
 
@@ -147,7 +139,7 @@ def _ints(flag: str, text) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"eyas plan: {flag} {text!r}: expected whole numbers a,b,...") from None
+        raise CommandError(f"{flag} {text!r}: expected whole numbers a,b,...") from None
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -157,11 +149,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     try:
         report = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise SystemExit(
-            f"eyas plan: --calibrate {path}: not a readable bench-serve report ({err})"
-        ) from None
+        raise CommandError(f"--calibrate {path}: not a readable bench-serve report ({err})") from None
     if not isinstance(report, dict) or report.get("kind") != "eyas bench-serve":
-        raise SystemExit(f"eyas plan: --calibrate {path}: not an `eyas bench-serve` report")
+        raise CommandError(f"--calibrate {path}: not an `eyas bench-serve` report")
     held_k = _ints("--holdout-k", args.holdout_k)
     held_c = _ints("--holdout-concurrency", args.holdout_concurrency)
     if not held_c and not held_k:
@@ -169,7 +159,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     try:
         cal = C.calibrate(report, held_c, held_k, name=f"calibrated:{path.parent.name}")
     except C.CalibrationError as err:
-        raise SystemExit(f"eyas plan: --calibrate {path}: {err}") from None
+        raise CommandError(f"--calibrate {path}: {err}") from None
     out = Path(args.save_hardware) if args.save_hardware else path.parent / "hardware-calibrated.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     body = cal.as_dict()
@@ -214,37 +204,36 @@ def _why_not_speculate(p, serve_at: int) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from eyas.core.run_paths import RunPaths
     from eyas.eval import planner as P
-    from eyas.recipe import RunPaths
+    from eyas.eval import sizes as S
 
     if args.calibrate:
         return run_calibrate(args)
     if not args.target_params:
-        raise SystemExit(
-            "eyas plan: --target-params is required (a name or key=value sizes), unless --calibrate"
-        )
+        raise CommandError("--target-params is required (a name or key=value sizes), unless --calibrate")
     given_conc = _check_flags(args)
     recipe = load_recipe_from_args(args)
     rates, report_alg, source, head_dir = _acceptance(args, recipe)
     try:
-        base_hw = P.load_hardware(args.hardware)
+        base_hw = S.load_hardware(args.hardware)
     except ValueError as err:
-        raise SystemExit(f"eyas plan: {err}") from None
-    hw = P.with_overrides(
+        raise CommandError(f"{err}") from None
+    hw = S.with_overrides(
         base_hw,
         layer_latency=args.layer_latency_us * 1e-6 if args.layer_latency_us is not None else None,
         pass_overhead=args.pass_overhead_us * 1e-6 if args.pass_overhead_us is not None else None,
     )
     try:
-        target = P.parse_target(args.target_params)
+        target = S.parse_target(args.target_params)
     except ValueError as err:
-        raise SystemExit(f"eyas plan: {err}") from None
+        raise CommandError(f"{err}") from None
     conc = given_conc or list(P.CONCURRENCY)
     algorithms = ["eagle3", "peagle"] if args.compare else [args.algorithm or report_alg or "eagle3"]
     plans = {}
     for alg in algorithms:
         layers = args.head_layers if len(algorithms) == 1 else None
-        head = P.head_size(target, alg, layers, args.draft_vocab)
+        head = S.head_size(target, alg, layers, args.draft_vocab)
         plans[alg] = P.plan(rates, hw, target, head, args.context, conc, args.max_k)
     out = Path(args.out) if args.out else recipe.paths.eval
     out.mkdir(parents=True, exist_ok=True)

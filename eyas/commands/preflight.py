@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from eyas.commands._common import add_recipe_arguments
+from eyas.commands._common import CommandError, add_recipe_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +64,5 @@ def run(args: argparse.Namespace) -> int:
     p = preflight(recipe, recipe_name=args.recipe or "<defaults>", **hardware_for(args.recipe, args))
     print(json.dumps(p.as_dict(), indent=1) if args.json else format_preflight(p))
     if not p.fits:
-        print(f"eyas preflight: {refusal(p)}", file=sys.stderr)
-        return 1
+        raise CommandError(refusal(p))
     return 0

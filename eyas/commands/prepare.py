@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
+from eyas.commands._common import CommandError, add_recipe_arguments, load_recipe_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,8 +46,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         meta = prepare(recipe, progress=not args.no_progress)
     except (NoUsableDataError, FileNotFoundError) as err:
-        print(f"eyas prepare: {err}", file=sys.stderr)
-        return 1
+        raise CommandError(str(err)) from None
     out = recipe.paths.prepared
     print(json.dumps(meta["drop_report"], indent=1))
     print(

@@ -13,10 +13,9 @@ examples:
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from eyas.commands._common import load_recipe_from_args
+from eyas.commands._common import CommandError, load_recipe_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,21 +44,17 @@ def run(args: argparse.Namespace) -> int:
         repo_id = repo_id or recipe.export.repo_id
         private = recipe.export.private if private is None else private
     if not repo_id:
-        print("eyas push: no --repo-id (and the recipe has no export.repo_id)", file=sys.stderr)
-        return 2
+        raise CommandError("no --repo-id (and the recipe has no export.repo_id)", code=2)
     problems = validate_export(head_dir)
     if problems:
-        print(f"eyas push: {head_dir} breaks the serving contract; not uploading:", file=sys.stderr)
-        for p in problems:
-            print(f"  - {p}", file=sys.stderr)
-        return 1
+        listed = "".join(f"\n  - {p}" for p in problems)
+        raise CommandError(f"{head_dir} breaks the serving contract; not uploading:{listed}")
     try:
         plan = plan_push(
             head_dir, repo_id, private=bool(private), revision=args.revision, eval_report=args.eval_report
         )
     except (PushError, ValueError, FileNotFoundError) as err:
-        print(f"eyas push: {err}", file=sys.stderr)
-        return 1
+        raise CommandError(str(err)) from None
     if args.dry_run:
         print("dry run: nothing uploaded. Would upload:")
         print(plan.describe())
@@ -69,8 +64,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         url = push_head(plan)
     except PushError as err:
-        print(f"eyas push: {err}", file=sys.stderr)
-        return 1
+        raise CommandError(str(err)) from None
     print(plan.describe())
     print(f"pushed: {url}")
     return 0

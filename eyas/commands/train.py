@@ -22,9 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 
-from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
+from eyas.commands._common import CommandError, add_recipe_arguments, load_recipe_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,12 +62,8 @@ def run(args: argparse.Namespace) -> int:
         summary = train(
             recipe, progress=not args.no_progress, restart=args.restart, accept_changes=args.accept_changes
         )
-    except TrainingStopped as err:
-        print(f"eyas train: {err}", file=sys.stderr)
-        return 1
-    except (FileNotFoundError, ValueError) as err:
-        print(f"eyas train: {err}", file=sys.stderr)
-        return 1
+    except (TrainingStopped, FileNotFoundError, ValueError) as err:
+        raise CommandError(str(err)) from None
     if not summary["is_main_process"]:
         return 0
     if args.json:

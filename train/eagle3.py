@@ -1,24 +1,20 @@
-"""The training losses of the shipped algorithms, and the lookup of an algorithm's loss.
+"""EAGLE-3 training (DESIGN §3): the training-time test loss, run on the valid rows
+(train/fastpath.py), plus the optional copy supervision of attention head 0.
 
-A loss function has the signature `(head, batch, labels, train_cfg, generator) -> StepStats`
-with `batch` the training batch of the brief (input_ids, attention_mask, loss_mask, aux,
+Every algorithm's loss has the signature `(head, batch, labels, train_cfg, generator) ->
+StepStats` with `batch` the training batch (input_ids, attention_mask, loss_mask, aux,
 last), `labels` the `TargetLabels` of that batch, `train_cfg` the recipe's TrainSection
 (the algorithm's own knobs in `train_cfg.section(name)`) and `generator` a
-torch.Generator for any sampling the algorithm does (checkpointed with the run). Which
-loss an algorithm trains with is its registration's (heads/algorithms.py); P-EAGLE's
-lives in `eyas.train.cod`.
+torch.Generator for any sampling the algorithm does (checkpointed with the run). The
+registration (heads/eagle3.py) names this module's `eagle3_loss`; P-EAGLE's is in
+train/peagle.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from eyas.heads.algorithms import get_algorithm
 from eyas.train.copy_attention import copy_attention_loss, copy_attention_targets, recording_head0
 from eyas.train.fastpath import ttt_loss_valid_rows
 from eyas.train.step_stats import StepStats
-
-LossFn = Callable[..., StepStats]
 
 
 def eagle3_loss(head, batch: dict, labels, train_cfg, generator=None) -> StepStats:
@@ -37,8 +33,3 @@ def eagle3_loss(head, batch: dict, labels, train_cfg, generator=None) -> StepSta
     stats.loss = stats.loss + cfg.copy_attention_weight * copy
     stats.extra_losses["copy_attention_loss"] = float(copy.detach())
     return stats
-
-
-def loss_function(name: str) -> LossFn:
-    """The loss of the registered algorithm `name` (an unknown name names the known ones)."""
-    return get_algorithm(name).loss_function()

@@ -1,13 +1,13 @@
 """The time budget's probe (DESIGN §2.7): the stages' own code run on a few batches of the
-recipe's work on this machine, returned as `eyas.budget.Rates` for the estimates."""
+recipe's work on this machine, returned as `Rates` (eyas/budget/rates.py) for the estimates."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from eyas.budget import BudgetError, Rates
-from eyas.recipe import RunPaths
+from eyas.budget.rates import BudgetError, Rates
+from eyas.core.run_paths import RunPaths
 
 
 def measure(recipe, progress: bool = True) -> Rates:
