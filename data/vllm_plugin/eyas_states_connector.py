@@ -180,7 +180,8 @@ class EyasStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _write(self, save: _Save, states: torch.Tensor) -> None:
         try:
-            write_states(self._dir, save.key, states, torch.tensor(save.token_ids), self._layer_ids, self._engine)
+            ids = torch.tensor(save.token_ids)
+            write_states(self._dir, save.key, states, ids, self._layer_ids, self._engine)
         except Exception:
             log.exception("eyas: writing the states of %s (request %s) failed", save.key, save.req_id)
 
