@@ -40,7 +40,8 @@ def main() -> int:
     keep_freed_memory()  # as every `eyas` command does
 
     from eyas.data.cache import FeatureCache, bytes_per_token, dequantize_fp8, quantize_fp8
-    from eyas.data.capture import _pad_batch, capture_split, plan_capture
+    from eyas.data.capture import _pad_batch, capture_split
+    from eyas.data.capture_plan import plan_capture
     from eyas.data.conversations import read_conversations
     from eyas.data.templates import TemplateError, render_with_mask
     from eyas.target.features import compute_features, default_aux_layer_ids, target_norm_and_lm_head
