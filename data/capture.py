@@ -178,7 +178,11 @@ def capture_split(
     from tqdm.auto import tqdm
 
     out_dir = Path(out_dir)
-    hidden = hidden_size or text_config(model.config).hidden_size
+    hidden = hidden_size or (
+        model.config.get_text_config().hidden_size
+        if hasattr(model.config, "get_text_config")
+        else model.config.hidden_size
+    )
     all_ids, all_masks = list(dataset["input_ids"]), list(dataset["loss_mask"])
     stored_states = None
     if fed_states is not None and len(fed_states) and "conversation" in dataset.column_names:

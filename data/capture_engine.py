@@ -138,7 +138,14 @@ class EngineStates:
     async def _ask(self, client, model: str, key: str, ids: list[int]) -> torch.Tensor:
         body = {"model": model, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0}
         body["kv_transfer_params"] = {KEY_PARAM: key}
-        resp = await client.post(server_root(self.url) + "/v1/completions", json=body)
+        import httpx
+
+        try:
+            resp = await client.post(server_root(self.url) + "/v1/completions", json=body)
+        except httpx.HTTPError as err:  # the engine died or stopped answering
+            raise EngineCaptureError(
+                f"{self.url}: sample {key}: {type(err).__name__}: {err}; see the engine's log"
+            ) from None
         if resp.status_code != 200:
             raise EngineCaptureError(
                 f"{self.url}: sample {key} answered {resp.status_code}: {resp.text[:300]}"
@@ -146,8 +153,9 @@ class EngineStates:
         if (resp.json().get("kv_transfer_params") or {}).get(KEY_PARAM) != key:
             raise EngineCaptureError(
                 f"{self.url}: the engine keeps no states for {key}: it was not started with eyas's "
-                f"connector ({' '.join(connector_flags([], self.handover_dir))[:80]}...; `eyas capture` "
-                "adds them to data.capture.launch)"
+                f"connector (--speculative-config method extract_hidden_states, --kv-transfer-config "
+                f"kv_connector {CONNECTOR} with eyas_dir {self.handover_dir}, PYTHONPATH={PLUGIN_DIR}; "
+                "`eyas capture` adds them to data.capture.launch)"
             )
         # the connector writes after the request ends, in the engine's next step
         loop = asyncio.get_running_loop()
@@ -167,8 +175,12 @@ class EngineStates:
 
         gate = asyncio.Semaphore(self.concurrency)
         async with httpx.AsyncClient(timeout=self.timeout_s) as client:
-            models = (await client.get(server_root(self.url) + "/v1/models")).json()["data"]
-            model = models[0]["id"]
+            try:
+                model = (await client.get(server_root(self.url) + "/v1/models")).json()["data"][0]["id"]
+            except httpx.HTTPError as err:
+                raise EngineCaptureError(
+                    f"{self.url}: {type(err).__name__}: {err}; see the engine's log"
+                ) from None
 
             async def one(key: str) -> tuple[str, torch.Tensor]:
                 async with gate:

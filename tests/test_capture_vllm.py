@@ -90,6 +90,25 @@ def test_engine_cache_equals_hf_capture_and_resumes_asking_only_for_the_rest(lla
     assert m["backend"] == "vllm" and "backend" not in read_manifest(tmp_path / "hf")
 
 
+def test_engine_cache_takes_the_fp8_option(llama, tmp_path):
+    """data.cache_dtype=fp8 applies to the engine's states as to the target's: the aux part is
+    quantized per token and layer, `last` stays bf16."""
+    split, L = _split(6), llama.num_layers
+    kw = dict(aux_layer_ids=AUX, aux_dtype="fp8", progress=False)
+    capture_split(llama.model, split, tmp_path / "hf", **kw)
+    with FakeStatesEngine(llama.model, engine_layer_ids(AUX, L), tmp_path / "handover") as fake:
+        m = capture_split(
+            None,
+            split,
+            tmp_path / "vllm",
+            engine=_engine(fake.url, tmp_path, L),
+            hidden_size=llama.hidden_size,
+            **kw,
+        )
+    assert m["aux_dtype"] == "fp8"
+    _assert_same_cache(tmp_path / "vllm", tmp_path / "hf")
+
+
 def test_damaged_or_foreign_handover_files_are_named_and_asked_again(llama, tmp_path, caplog):
     L = llama.num_layers
     ids = _split(2)["input_ids"]
@@ -134,6 +153,9 @@ def test_an_engine_without_the_connector_or_silent_is_refused_naming_why(llama, 
         engine = EngineStates(f.url, tmp_path / "handover", AUX, L, timeout_s=0.3)
         with pytest.raises(EngineCaptureError, match=r"handover/k.json: not written"):
             engine.states({"k": ids})
+    # an engine that died
+    with pytest.raises(EngineCaptureError, match=r"ConnectError.*engine's log"):
+        EngineStates(f.url, tmp_path / "handover", AUX, L).states({"k": ids})
     # an engine started for other layers
     with FakeStatesEngine(llama.model, [1, L], tmp_path / "other") as f:
         with pytest.raises(EngineCaptureError, match=r"not \[2, 4, 5\]"):
