@@ -52,7 +52,14 @@ def answers(base_url: str, timeout: float = 5.0) -> bool:
         return False
 
 
-def split_command(command: str) -> tuple[dict[str, str], list[str]]:
+def repo_vllm_python() -> Path | None:
+    """The Python of the repository's own vLLM install (.venv-vllm, made by
+    scripts/setup_vllm_env.sh), None when there is none."""
+    python = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    return python if python.is_file() else None
+
+
+def split_command(command: str, setting: str = "data.regenerate.launch") -> tuple[dict[str, str], list[str]]:
     """Leading `NAME=value` words (`CUDA_VISIBLE_DEVICES=0,1 vllm serve …`, as a shell
     reads them) -> the environment they set, and the argv after them. No shell runs."""
     words = shlex.split(command)
@@ -61,25 +68,31 @@ def split_command(command: str) -> tuple[dict[str, str], list[str]]:
         name, value = words.pop(0).split("=", 1)
         env[name] = value
     if not words:
-        raise EngineError(f"data.regenerate.launch: {command!r} names no program to run")
+        raise EngineError(f"{setting}: {command!r} names no program to run")
     return env, words
 
 
 @contextmanager
 def launched_engine(
-    command: str, urls: Sequence[str], log_path: Path, timeout_s: float = 1800.0, poll_s: float = 1.0
+    command: str,
+    urls: Sequence[str],
+    log_path: Path,
+    timeout_s: float = 1800.0,
+    poll_s: float = 1.0,
+    setting: str = "data.regenerate.launch",
 ) -> Iterator[subprocess.Popen]:
     """Start `command`, wait until every URL in `urls` answers, yield, then stop it
-    (SIGTERM to its process group, SIGKILL after 30 s)."""
+    (SIGTERM to its process group, SIGKILL after 30 s). `setting` names the recipe key
+    the command came from in errors."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     busy = [u for u in urls if answers(u, timeout=2.0)]
     if busy:
         raise EngineError(
-            f"data.regenerate.launch: {busy[0]} already answers before the engine was started; "
+            f"{setting}: {busy[0]} already answers before the engine was started; "
             "stop that server or drop `launch` to use it as it is"
         )
-    env, argv = split_command(command)
+    env, argv = split_command(command, setting)
     log.info("starting the engine: %s (log: %s)", command, log_path)
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(

@@ -9,12 +9,10 @@ lists and produces the same manifest as an uninterrupted run.
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
 import logging
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +28,7 @@ from eyas.data.cache import (
     sha256_bytes,
     write_manifest,
 )
+from eyas.data.capture_plan import plan_capture
 from eyas.target.features import compute_features
 from eyas.target.load import text_config
 
@@ -38,47 +37,6 @@ log = logging.getLogger(__name__)
 
 class InjectedFailure(RuntimeError):
     """Raised by `fail_after_shards` to test resuming."""
-
-
-@dataclass
-class CapturePlan:
-    """shards[k] = list of batches; a batch = list of sample rows (ascending length)."""
-
-    shards: list[list[list[int]]]
-    lengths: list[int]
-
-    def shard_tokens(self, k: int) -> int:
-        return sum(self.lengths[i] for b in self.shards[k] for i in b)
-
-    def fingerprint(self, extra: dict) -> str:
-        return hashlib.sha256(
-            json.dumps([self.shards, self.lengths, extra], sort_keys=True).encode()
-        ).hexdigest()
-
-
-def plan_capture(lengths: Sequence[int], batch_tokens: int, shard_tokens: int) -> CapturePlan:
-    """Length-bucketed batches (<= batch_tokens padded tokens, at least one sample) grouped
-    into shards of >= shard_tokens real tokens (the last may be smaller)."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    batches, cur = [], []
-    for i in order:
-        # Sorted ascending, so the new sample sets the padded length of the batch.
-        if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    shards, shard, tokens = [], [], 0
-    for b in batches:
-        shard.append(b)
-        tokens += sum(lengths[i] for i in b)
-        if tokens >= shard_tokens:
-            shards.append(shard)
-            shard, tokens = [], 0
-    if shard:
-        shards.append(shard)
-    return CapturePlan(shards=shards, lengths=list(lengths))
 
 
 def check_disk(out_dir: Path, needed: int) -> None:
@@ -115,6 +73,7 @@ def capture_shard(
     aux_dtype: str,
     pad_id: int,
     stored_states: Callable[[int], torch.Tensor | None] | None = None,
+    hidden: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Run the target over one shard's batches; returns the shard's tensors (cache.py format)
     and how many samples were copied from `stored_states`.
@@ -122,8 +81,8 @@ def capture_shard(
     `stored_states(i)`: sample i's states `[T_i, (n+1)*Ht]` kept from regeneration
     (data/fed_states.py), or None; the target runs only over the samples without them.
     The rows go straight into buffers sized for the whole shard, so no batch's activations
-    outlive it (kept views would pin every batch's padded tensors until the shard is saved)."""
-    device = next(model.parameters()).device
+    outlive it (kept views would pin every batch's padded tensors until the shard is saved).
+    `model` may be None (with `hidden`, the target's hidden size) when every sample is stored."""
     order = [i for batch in batches for i in batch]
     lengths = [len(input_ids[i]) for i in order]
     total = sum(lengths)
@@ -131,7 +90,7 @@ def capture_shard(
         "input_ids": torch.tensor([t for i in order for t in input_ids[i]], dtype=torch.int32),
         "loss_mask": torch.tensor([t for i in order for t in loss_mask[i]], dtype=torch.uint8),
     }
-    hidden = text_config(model.config).hidden_size
+    hidden = hidden or text_config(model.config).hidden_size
     out["aux"] = torch.empty(total, len(aux_layer_ids) * hidden, dtype=torch.bfloat16)
     out["last"] = torch.empty(total, hidden, dtype=torch.bfloat16)
     copied = 0
@@ -141,6 +100,7 @@ def capture_shard(
         run = [i for i in batch if stored.get(i) is None]
         row_of = {i: b for b, i in enumerate(run)}
         if run:
+            device = next(model.parameters()).device
             ids, mask = _pad_batch([input_ids[i] for i in run], pad_id)
             aux, last = compute_features(model, ids.to(device), mask.to(device), aux_layer_ids)
         for i in batch:
@@ -197,6 +157,8 @@ def capture_split(
     progress: bool = True,
     fed_states=None,
     prepared_digest: str | None = None,
+    engine=None,
+    hidden_size: int | None = None,
 ) -> dict:
     """Capture one prepared split (a `datasets.Dataset` with input_ids, loss_mask) into
     `out_dir`; resumes a partial capture of the same plan. Returns the final manifest.
@@ -205,12 +167,15 @@ def capture_split(
     `conversation` column names each sample's record); the samples it holds valid states
     for are copied, not run (each shard's manifest entry counts them as copied_samples).
     `prepared_digest`: the prepared directory's digest (meta.json), recorded in the
-    manifest so that the trainer refuses a cache of other prepared data."""
+    manifest so that the trainer refuses a cache of other prepared data.
+    `engine`: an `EngineStates` (data/capture_engine.py) that hands over the states of the
+    samples not copied from `fed_states`, shard by shard; `model` is then None and
+    `hidden_size` the target's."""
     from safetensors.torch import save
     from tqdm.auto import tqdm
 
     out_dir = Path(out_dir)
-    hidden = (
+    hidden = hidden_size or (
         model.config.get_text_config().hidden_size
         if hasattr(model.config, "get_text_config")
         else model.config.hidden_size
@@ -233,6 +198,8 @@ def capture_split(
     }
     if prepared_digest is not None:  # (absent from caches written before digests)
         settings["prepared_digest"] = prepared_digest
+    if engine is not None:  # (absent from hf caches, so theirs resume as before)
+        settings["backend"] = "vllm"
     fingerprint = plan.fingerprint(settings)
     manifest = read_manifest(out_dir)
     if manifest is not None and manifest.get("plan") != fingerprint:
@@ -284,8 +251,19 @@ def capture_split(
     for k in todo:
         if fail_after_shards is not None and written_now >= fail_after_shards:
             raise InjectedFailure(f"injected failure after {written_now} shards")
+        shard_states, from_engine = stored_states, {}
+        if engine is not None:
+            rows = [i for b in plan.shards[k] for i in b]
+            fed = {i: stored_states(i) for i in rows} if stored_states is not None else {}
+            keys = {f"{fingerprint[:16]}-{i:08d}": i for i in rows if fed.get(i) is None}
+            got = engine.states({key: all_ids[i] for key, i in keys.items()})
+            from_engine = {i: got[key] for key, i in keys.items()}
+
+            def shard_states(i: int, fed=fed, from_engine=from_engine):
+                return fed[i] if fed.get(i) is not None else from_engine[i]
+
         tensors, copied = capture_shard(
-            model, all_ids, all_masks, plan.shards[k], aux_layer_ids, aux_dtype, pad_id, stored_states
+            model, all_ids, all_masks, plan.shards[k], aux_layer_ids, aux_dtype, pad_id, shard_states, hidden
         )
         data = save(tensors)
         name = _shard_name(k)
@@ -299,11 +277,13 @@ def capture_split(
                 "num_samples": len(shard_lengths),
                 "num_tokens": sum(shard_lengths),
                 "lengths": shard_lengths,
-                "copied_samples": copied,
+                "copied_samples": copied - len(from_engine),
             }
         )
         manifest["shards"].sort(key=lambda s: s["file"])
         write_manifest(out_dir, manifest)
+        if engine is not None:
+            engine.done(list(keys))
         written_now += 1
         bar.update(sum(shard_lengths))
     bar.close()
@@ -344,7 +324,12 @@ def capture(
         raise CaptureError(f"no prepared data at {prepared}; run `eyas prepare` first")
     dd = load_prepared(prepared)
     splits = [s for s in splits if s in dd]  # an empty eval split is not written
-    if target is None:
+    engine = recipe.data.capture.backend == "vllm"
+    if engine:
+        from eyas.data.capture_engine import engine_target
+
+        target = engine_target(recipe.target)  # its shape only: the engine holds the weights
+    elif target is None:
         target = load_recipe_target(recipe.target, work_rows=recipe.data.capture_batch_tokens)
     aux_ids = list(recipe.data.aux_layer_ids or default_aux_layer_ids(target.num_layers))
     bpt = bytes_per_token(len(aux_ids), target.hidden_size, recipe.data.cache_dtype)
@@ -353,7 +338,7 @@ def capture(
         f"capture: aux layers {aux_ids}, {recipe.data.cache_dtype} cache, {bpt} bytes/token x {total} "
         f"tokens = {bpt * total / 1e9:.3f} GB estimated, into {cache}"
     )
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    pad = 0 if engine or target.tokenizer.pad_token_id is None else target.tokenizer.pad_token_id
     fed_dir = prepared / FED_STATES_DIR
     fed = None
     if fed_dir.is_dir():
@@ -364,29 +349,36 @@ def capture(
         )
     digest = read_prepared_digest(prepared)
     manifests = {}
-    for s in splits:
-        if overwrite:
-            shutil.rmtree(cache / s, ignore_errors=True)
-        m = capture_split(
-            target.model,
-            dd[s],
-            cache / s,
-            aux_ids,
-            recipe.data.cache_dtype,
-            recipe.data.capture_batch_tokens,
-            recipe.data.shard_tokens,
-            pad,
-            recipe.target.name_or_path,
-            progress=progress,
-            fed_states=fed,
-            prepared_digest=digest,
-        )
-        copied = sum(sh.get("copied_samples", 0) for sh in m["shards"])
-        say(
-            f"{cache / s}: {m['num_samples']} samples ({copied} copied from regeneration), "
-            f"{m['num_tokens']} tokens, {len(m['shards'])} shards"
-        )
-        manifests[s] = m
+    with contextlib.ExitStack() as stack:
+        if engine:  # started at the first shard it is asked for, so a complete cache starts none
+            from eyas.data.capture_engine import LazyEngine
+
+            engine = stack.enter_context(LazyEngine(recipe, aux_ids, target.num_layers, say))
+        for s in splits:
+            if overwrite:
+                shutil.rmtree(cache / s, ignore_errors=True)
+            m = capture_split(
+                target.model,
+                dd[s],
+                cache / s,
+                aux_ids,
+                recipe.data.cache_dtype,
+                recipe.data.capture_batch_tokens,
+                recipe.data.shard_tokens,
+                pad,
+                recipe.target.name_or_path,
+                progress=progress,
+                fed_states=fed,
+                prepared_digest=digest,
+                engine=engine or None,
+                hidden_size=target.hidden_size,
+            )
+            copied = sum(sh.get("copied_samples", 0) for sh in m["shards"])
+            say(
+                f"{cache / s}: {m['num_samples']} samples ({copied} copied from regeneration), "
+                f"{m['num_tokens']} tokens, {len(m['shards'])} shards"
+            )
+            manifests[s] = m
     if fed is not None and all((read_manifest(cache / s) or {}).get("complete") for s in dd):
         # Every prepared split is captured: the states live on in the cache.
         size = sum(f.stat().st_size for f in fed_dir.glob("*"))

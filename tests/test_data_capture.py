@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from eyas.data.cache import DamagedShardError, FeatureCache, bytes_per_token, verify_cache
-from eyas.data.capture import CaptureError, InjectedFailure, capture_split, plan_capture
+from eyas.data.capture import CaptureError, InjectedFailure, capture_split
+from eyas.data.capture_plan import plan_capture
 from eyas.target.features import compute_features, default_aux_layer_ids, target_norm_and_lm_head
 from eyas.target.load import load_target
 

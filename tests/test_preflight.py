@@ -125,3 +125,20 @@ def test_train_refuses_before_loading_when_the_gpus_found_are_too_small(monkeypa
     # skipped: the stage goes on and stops at its first missing input instead
     assert main(["train", "-r", str(BIG), "--no-preflight", *run]) == 1
     assert "stage train needs" not in capsys.readouterr().err
+
+
+def test_the_vllm_capture_backend_holds_no_target_copy_and_checks_its_launch_line():
+    """data.capture.backend=vllm: the capture stage holds the target's weights split over the
+    engine's TP instead of a whole copy per rank, plus the engine's KV and states per
+    sequence; a launch line the node cannot hold is refused naming data.capture.launch."""
+    offline = ["data.features=offline"]
+    hf = next(s for s in preflight(load_recipe(BIG, offline), "H200", 8).stages if s.stage == "capture")
+    launch = "vllm serve openai/gpt-oss-120b -tp 8 --max-model-len 16384"
+    over = [*offline, "data.capture.backend=vllm", f"data.capture.launch={launch}"]
+    cap = next(s for s in preflight(load_recipe(BIG, over), "H200", 8).stages if s.stage == "capture")
+    assert "target weights" not in cap.per_rank and cap.fits
+    assert cap.per_rank["target weights / TP"] == pytest.approx(hf.per_rank["target weights"] / 8)
+    assert any(k.startswith("KV + states of") for k in cap.per_rank)
+    too_wide = [*over[:2], f"data.capture.launch={launch.replace('-tp 8', '-tp 16')}"]
+    bad = next(s for s in preflight(load_recipe(BIG, too_wide), "H200", 8).stages if s.stage == "capture")
+    assert not bad.fits and "data.capture.launch" in bad.knob

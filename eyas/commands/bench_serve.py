@@ -23,7 +23,6 @@ from pathlib import Path
 from eyas.commands._common import CommandError, add_recipe_arguments, load_recipe_from_args
 
 log = logging.getLogger(__name__)
-ROOT_VENV_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -160,7 +159,9 @@ def run(args: argparse.Namespace) -> int:
         )
     except (B.BenchError, ExportFormatError, WorkloadError) as err:
         raise CommandError(f"{err}") from None
-    python = args.vllm_python or (str(ROOT_VENV_PYTHON) if ROOT_VENV_PYTHON.is_file() else sys.executable)
+    from eyas.core.engine_process import repo_vllm_python
+
+    python = args.vllm_python or str(repo_vllm_python() or sys.executable)
     settings = BenchSettings(
         target=target,
         drafters=drafters,

