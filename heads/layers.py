@@ -21,6 +21,7 @@ from torch import nn
 
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.explicit_attention import explicit_attention
+from eyas.heads.rope import apply_rope, rope_cos_sin, rope_frequencies
 
 log = logging.getLogger(__name__)
 
@@ -38,25 +39,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """positions [B, T] -> cos, sin [B, 1, T, head_dim] (rotate-half layout, as Llama)."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    )
-    freqs = positions.float()[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
 
 
 class LayerCache:
@@ -201,7 +183,11 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.rope_theta = cfg.rope_theta
+        # float32 on the CPU, never cast with the module: bf16 frequencies would rotate
+        # far positions wrongly (heads/rope.py)
+        self.inv_freq, self.rope_scale = rope_frequencies(
+            cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
+        )
         self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
@@ -217,7 +203,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
+        if self.inv_freq.device != positions.device:  # moved once, not copied every call
+            self.inv_freq = self.inv_freq.to(positions.device)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.head0_probe is not None:
             self.head0_probe.append((q[:, 0], k[:, 0]))  # query head 0 reads KV head 0

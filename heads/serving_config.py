@@ -262,7 +262,7 @@ def build_layer(cfg: DraftHeadConfig) -> TransformerLayerConfig:
         hidden_act=cfg.hidden_act,
         rms_norm_eps=cfg.rms_norm_eps,
         rope_theta=cfg.rope_theta,
-        rope_parameters=RopeParameters(rope_type="default", rope_theta=cfg.rope_theta),
+        **_rope_fields(cfg),
         max_position_embeddings=cfg.max_position_embeddings,
         vocab_size=cfg.vocab_size,
         attention_bias=False,
@@ -272,6 +272,18 @@ def build_layer(cfg: DraftHeadConfig) -> TransformerLayerConfig:
         fc_norm=peagle and cfg.fc_norm,
         norm_output=peagle and cfg.norm_output,
     )
+
+
+def _rope_fields(cfg: DraftHeadConfig) -> dict[str, Any]:
+    """`rope_parameters` (transformers 5, vLLM 0.32) and, for a scaled head, the same
+    scaling as `rope_scaling` too (older readers take only that key): both say the same,
+    so whichever a reader prefers it rotates as the head was trained."""
+    scaling = cfg.rope_scaling or {"rope_type": "default"}
+    kind, settings = scaling["rope_type"], {k: v for k, v in scaling.items() if k != "rope_type"}
+    out = {"rope_parameters": RopeParameters(rope_type=kind, rope_theta=cfg.rope_theta, **settings)}
+    if cfg.rope_scaling:
+        out["rope_scaling"] = RopeParameters(rope_type=kind, **settings)
+    return out
 
 
 def _head_fields(cfg: DraftHeadConfig) -> dict[str, Any]:
@@ -537,14 +549,6 @@ def layer_shape(
         if values[key] is None:
             values[key] = default
             defaulted.append(f"{key}={default}")
-    kind = next((r.kind for r in (layer.rope_scaling, params) if r is not None and r.kind), None)
-    if kind and kind != "default":
-        notes.append(
-            f"{where}rope_scaling {kind!r}: eyas's head applies plain rope (theta "
-            f"{values['rope_theta']}), so "
-            "its training and offline eval differ from vLLM's serving of this config at long positions; "
-            "an export from eyas writes plain rope"
-        )
     if defaulted:
         notes.append(
             f"{where or 'config.json: '}absent, the llama defaults vLLM applies: {', '.join(defaulted)}"
@@ -553,6 +557,35 @@ def layer_shape(
         kv, hd, values["rms_norm_eps"], float(values["rope_theta"]), values["max_position_embeddings"]
     )
     return shape, notes
+
+
+def layer_rope_scaling(
+    layer: TransformerLayerConfig, shape: LayerShape, where: str
+) -> tuple[dict | None, str | None]:
+    """The layer's RoPE scaling as the head carries it, read as transformers reads it (a
+    non-null `rope_scaling` wins over `rope_parameters`), or a problem naming the key
+    when eyas's head cannot apply it (heads/rope.py)."""
+    from eyas.heads.rope import RopeScalingError, rope_frequencies, scaling_from_parameters
+
+    key, params = next(
+        (
+            (k, p)
+            for k, p in (("rope_scaling", layer.rope_scaling), ("rope_parameters", layer.rope_parameters))
+            if p
+        ),
+        (None, None),
+    )
+    if params is None:
+        return None, None
+    try:
+        scaling = scaling_from_parameters(params.model_dump(mode="json"), f"{where}{key}")
+        if scaling and shape.head_dim:
+            rope_frequencies(
+                shape.head_dim, shape.rope_theta, shape.max_position_embeddings, scaling, f"{where}{key}"
+            )
+        return scaling, None
+    except RopeScalingError as err:
+        return None, str(err)
 
 
 # --- serving: the engine's command line ------------------------------------------------
