@@ -28,6 +28,7 @@ from eyas.core.hub_ids import looks_like_hub_id
 from eyas.data.bfcl import BFCL_SPLITS, bfcl_rows, is_bfcl
 from eyas.data.humaneval import HUMANEVAL_SPLITS, humaneval_rows, is_humaneval
 from eyas.data.json_rows import iter_json_array, iter_jsonl
+from eyas.data.longctx import LONGCTX_SPLITS, is_longctx, longctx_rows
 from eyas.data.tools import ToolFormatError, link_results, normalize_calls, normalize_tools
 
 log = logging.getLogger(__name__)
@@ -310,6 +311,9 @@ def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
     if is_bfcl(source):
         yield from bfcl_rows(source)
         return
+    if is_longctx(source):
+        yield from longctx_rows(source)
+        return
     path = sharegpt_path() if source == SHAREGPT_ALIAS else Path(source)
     if path.is_file():
         with open(path, encoding="utf-8", errors="surrogateescape") as f:
@@ -327,7 +331,7 @@ def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
         raise NoUsableDataError(
             f"{source!r}: no such file or directory (a Hub dataset is named "
             f"org/name; the shipped aliases are {SHAREGPT_ALIAS!r} and "
-            f"{', '.join(map(repr, [*HUMANEVAL_SPLITS, *BFCL_SPLITS]))})"
+            f"{', '.join(map(repr, [*HUMANEVAL_SPLITS, *BFCL_SPLITS, *LONGCTX_SPLITS]))})"
         )
     if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         ds = datasets.load_from_disk(str(path))

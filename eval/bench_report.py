@@ -252,6 +252,26 @@ def per_request_lines(report: dict) -> list[str]:
                 if g["accepted_per_step"] is not None
             )
             lines.append(f"  {p['drafter']} K={p['k']}: {groups}")
+    lines += _context_lines(report, t, c)
+    return lines
+
+
+def _context_lines(report: dict, t, c) -> list[str]:
+    """Tokens per forward and first-position acceptance per context bucket (each request
+    in the bucket of its context halfway through its output), per drafter and K."""
+    lines = []
+    for p in report["points"]:
+        if p["temperature"] == t and p["concurrency"] == c and p.get("by_context"):
+            cells = []
+            for label, g in p["by_context"].items():
+                if g["accepted_per_step"] is None:
+                    continue
+                a1 = (g["per_position_acceptance"] or [None])[0]
+                first = "" if a1 is None else f", a1 {a1:.0%}"
+                cells.append(f"{label}: tau {1 + g['accepted_per_step']:.2f}{first} ({g['requests']} req)")
+            lines.append(f"  {p['drafter']} K={p['k']}: " + "; ".join(cells))
+    if lines:
+        lines.insert(0, f"by context (prompt + half the output; c={c}, temperature {t:g}):")
     return lines
 
 

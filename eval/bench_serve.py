@@ -29,7 +29,7 @@ from pathlib import Path
 from eyas.core.acceptance import conditional_acceptance
 from eyas.eval.bench_report import PLOT_NAME, build_report, format_report, plot_speedup, point_key  # noqa: F401
 from eyas.eval.engine_counters import counter_delta, read_counters
-from eyas.eval.request_metrics import ENGINE_FLAG, by_prompt_length, engine_offers, request_record
+from eyas.eval.request_metrics import ENGINE_FLAG, engine_offers, per_request_fields
 from eyas.heads.serving_config import speculative_config
 from eyas.recipe import RunPaths
 
@@ -286,15 +286,6 @@ def summarize_level(results: list[RequestResult], wall: float, counters: dict) -
         "output_sha1": [hashlib.sha1(r.text.encode()).hexdigest()[:12] for r in results],
         **per_request_fields(results),
     }
-
-
-def per_request_fields(results: list[RequestResult]) -> dict:
-    """The engine's per-request acceptance, when it reported it: one record per request
-    (in prompt order) and the requests grouped by prompt length."""
-    if not any(r.spec for r in results):
-        return {}
-    records = [request_record(r.prompt_tokens, r.spec) for r in results if r.spec]
-    return {"per_request": records, "by_prompt_length": by_prompt_length(records)}
 
 
 # --- the bench --------------------------------------------------------------------------

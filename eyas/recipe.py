@@ -290,9 +290,15 @@ class EvalSection(_Section):
     draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
     top_k: int = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
+    # Edges (tokens) of the context buckets tau is also reported in: < 2k, 2-8k, 8-32k,
+    # longer by default (eval/context_buckets.py).
+    context_buckets: list[PositiveInt] = Field(default_factory=lambda: [2048, 8192, 32768], min_length=1)
 
     @model_validator(mode="after")
     def _ngram_window(self) -> EvalSection:
+        edges = self.context_buckets
+        if any(b <= a for a, b in zip(edges, edges[1:])):
+            raise ValueError(f"eval.context_buckets must be strictly ascending, got {edges}")
         if self.ngram_max < self.ngram_min:
             raise ValueError(f"eval.ngram_max ({self.ngram_max}) is below eval.ngram_min ({self.ngram_min})")
         return self
@@ -358,6 +364,7 @@ class RunPaths:
     EVAL_REPORT = "eval_report.json"
     EVAL_REPORT_MD = "eval_report.md"
     EVAL_PLOT = "eval_report.png"
+    EVAL_CONTEXT_PLOT = "eval_by_context.png"
     PLAN = "plan.json"
     PLAN_PLOT = "plan.png"
     # In the bench-serve directory.
