@@ -156,6 +156,8 @@ class HeadSection(_Section):
     fc_norm: bool = False
     norm_output: bool = False
     mask_token_id: NonNegativeInt | None = None  # P-EAGLE only
+    # attend to the last N positions only (sliding-window head layers, DESIGN §3); None: all
+    sliding_window: PositiveInt | None = None
     speculative_tokens: int = Field(5, ge=1, le=MAX_K)  # K written into the serving config
 
     @field_validator("algorithm")

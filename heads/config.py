@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class DraftHeadConfig(BaseModel):
@@ -36,6 +36,10 @@ class DraftHeadConfig(BaseModel):
     # base: `{"rope_type": "llama3", "factor": 8.0, ...}`; None is plain RoPE (heads/rope.py).
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
+    # Every head layer attends to the last `sliding_window` positions only (a query at
+    # position i to keys at i - W + 1 .. i, as vLLM's and transformers' windows); None: the
+    # whole context. Exported as vLLM's `layer_types` + `sliding_window` (DESIGN §3, §5).
+    sliding_window: int | None = Field(None, ge=1)
     hidden_act: Literal["silu"] = "silu"
     vocab_size: int
     draft_vocab_size: int

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eyas.heads.algorithms import algorithm_names, get_algorithm
+from eyas.heads.attention_config import read_attention
 from eyas.heads.export import CONFIG_NAME, ExportFormatError
 from eyas.heads.io import CONFIG_NAME as EYAS_CONFIG
 from eyas.heads.serving_config import (
@@ -28,7 +29,6 @@ from eyas.heads.serving_config import (
     SpeculatorsBlock,
     SpeculatorsServingConfig,
     given,
-    layer_rope_scaling,
     layer_shape,
     parse_serving_config,
 )
@@ -264,9 +264,7 @@ def read_fields(
 
     shape, layer_notes = layer_shape(layer, where, invalid)
     notes.extend(layer_notes)
-    rope_scaling, rope_problem = layer_rope_scaling(layer, shape, where)
-    if rope_problem:
-        problems.append(rope_problem)
+    attention = read_attention(layer, shape, where, notes, problems)
     h, vt = layer.hidden_size, layer.vocab_size
     vd = top.draft_vocab_size if given(top, "draft_vocab_size") else vt
     if _is_int(vd) and _is_int(vt) and vd > vt:
@@ -340,7 +338,7 @@ def read_fields(
         k=k,
         rms_norm_eps=shape.rms_norm_eps,
         rope_theta=shape.rope_theta,
-        rope_scaling=rope_scaling,
+        **attention,
         max_position_embeddings=shape.max_position_embeddings,
         target_num_layers=target_layers,
         target_model_type=model_type,

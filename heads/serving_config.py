@@ -120,6 +120,10 @@ class TransformerLayerConfig(_Schema):
     rope_parameters: RopeParameters | None = _optional("an object")
     rope_scaling: RopeParameters | None = _optional("an object")
     max_position_embeddings: StrictInt | None = _optional()
+    # Sliding-window head layers: vLLM's llama draft layer (0.32) reads the window only
+    # through `layer_types` (one entry per head layer), as transformers' models do.
+    sliding_window: StrictInt | None = _optional("a positive integer", ge=1)
+    layer_types: list[StrictStr] | None = _optional("a list of strings")
     vocab_size: StrictInt
     attention_bias: StrictBool | None = _optional()
     mlp_bias: StrictBool | None = _optional()
@@ -264,6 +268,8 @@ def build_layer(cfg: DraftHeadConfig) -> TransformerLayerConfig:
         rope_theta=cfg.rope_theta,
         **_rope_fields(cfg),
         max_position_embeddings=cfg.max_position_embeddings,
+        sliding_window=cfg.sliding_window,
+        layer_types=["sliding_attention"] * cfg.num_hidden_layers if cfg.sliding_window else None,
         vocab_size=cfg.vocab_size,
         attention_bias=False,
         mlp_bias=False,
@@ -557,35 +563,6 @@ def layer_shape(
         kv, hd, values["rms_norm_eps"], float(values["rope_theta"]), values["max_position_embeddings"]
     )
     return shape, notes
-
-
-def layer_rope_scaling(
-    layer: TransformerLayerConfig, shape: LayerShape, where: str
-) -> tuple[dict | None, str | None]:
-    """The layer's RoPE scaling as the head carries it, read as transformers reads it (a
-    non-null `rope_scaling` wins over `rope_parameters`), or a problem naming the key
-    when eyas's head cannot apply it (heads/rope.py)."""
-    from eyas.heads.rope import RopeScalingError, rope_frequencies, scaling_from_parameters
-
-    key, params = next(
-        (
-            (k, p)
-            for k, p in (("rope_scaling", layer.rope_scaling), ("rope_parameters", layer.rope_parameters))
-            if p
-        ),
-        (None, None),
-    )
-    if params is None:
-        return None, None
-    try:
-        scaling = scaling_from_parameters(params.model_dump(mode="json"), f"{where}{key}")
-        if scaling and shape.head_dim:
-            rope_frequencies(
-                shape.head_dim, shape.rope_theta, shape.max_position_embeddings, scaling, f"{where}{key}"
-            )
-        return scaling, None
-    except RopeScalingError as err:
-        return None, str(err)
 
 
 # --- serving: the engine's command line ------------------------------------------------

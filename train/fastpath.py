@@ -127,7 +127,7 @@ def ttt_loss_valid_rows(
     not once per step."""
     input_ids, am = batch["input_ids"], batch["attention_mask"]
     b, t = input_ids.shape
-    mask = TTTMask(am)
+    mask = TTTMask(am, window=head.config.sliding_window)
     cache = head.new_cache()
     positions = torch.arange(t, device=input_ids.device)[None].expand(b, t)
     hid = head.combine_aux(batch["aux"])
