@@ -136,36 +136,65 @@ class TTTMask:
         deep steps of a small window see their own diagonals alone)."""
         return 0 if self.window is None else min(i1, max(0, i0 + k - self.window + 1))
 
-    def for_block(self, k: int, i0: int, i1: int) -> torch.Tensor:
+    def for_block(self, k: int, i0: int, i1: int, keep: bool = True) -> torch.Tensor:
         """The mask of step k for queries [i0, i1): `[B|1, 1, i1-i0, (i1-lo) + k·(i1-i0)]`
         bool (True = may attend) over step-0 keys [lo, i1) (lo = `start(k, i0, i1)`) then each
-        step's keys [i0, i1)."""
-        if (k, i0) not in self._masks:
-            device = self.real.device
-            lo = self.start(k, i0, i1)
-            rows = torch.arange(i0, i1, device=device)[:, None]
-            cols = torch.arange(lo, i1, device=device)[None, :]
-            step0 = cols <= rows  # [c, i1 - lo]
-            if self.window is not None:
-                step0 = step0 & (rows + k - cols < self.window)
-            if not self.right_padded:
-                step0 = step0[None] & (self.real[:, None, lo:i1] | (cols == rows)[None])
-            else:
-                step0 = step0[None]
-            eye = torch.eye(i1 - i0, dtype=torch.bool, device=device).expand(step0.shape[0], -1, -1)
-            diagonals = [
-                eye if self.window is None or k - j < self.window else eye & False for j in range(1, k + 1)
-            ]
-            self._masks[(k, i0)] = torch.cat([step0, *diagonals], dim=-1)[:, None]
-        return self._masks[(k, i0)]
+        step's keys [i0, i1). `keep`: cache it for the next layer and step (False: a long
+        sequence's masks would hold T² entries)."""
+        if (k, i0) in self._masks:
+            return self._masks[(k, i0)]
+        device = self.real.device
+        lo = self.start(k, i0, i1)
+        rows = torch.arange(i0, i1, device=device)[:, None]
+        cols = torch.arange(lo, i1, device=device)[None, :]
+        step0 = cols <= rows  # [c, i1 - lo]
+        if self.window is not None:
+            step0 = step0 & (rows + k - cols < self.window)
+        if not self.right_padded:
+            step0 = step0[None] & (self.real[:, None, lo:i1] | (cols == rows)[None])
+        else:
+            step0 = step0[None]
+        eye = torch.eye(i1 - i0, dtype=torch.bool, device=device).expand(step0.shape[0], -1, -1)
+        diagonals = [
+            eye if self.window is None or k - j < self.window else eye & False for j in range(1, k + 1)
+        ]
+        allowed = torch.cat([step0, *diagonals], dim=-1)[:, None]
+        if keep:
+            self._masks[(k, i0)] = allowed
+        return allowed
 
-    def bias_for_block(self, k: int, i0: int, i1: int) -> torch.Tensor:
+    def bias_for_block(self, k: int, i0: int, i1: int, keep: bool = True) -> torch.Tensor:
         """`for_block` as an additive float32 bias (0 = may attend, -inf = masked)."""
-        if (k, i0, "bias") not in self._masks:
-            allowed = self.for_block(k, i0, i1)
-            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
-            self._masks[(k, i0, "bias")] = bias.masked_fill_(~allowed, float("-inf"))
-        return self._masks[(k, i0, "bias")]
+        if (k, i0, "bias") in self._masks:
+            return self._masks[(k, i0, "bias")]
+        allowed = self.for_block(k, i0, i1, keep)
+        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
+        bias.masked_fill_(~allowed, float("-inf"))
+        if keep:
+            self._masks[(k, i0, "bias")] = bias
+        return bias
+
+
+# From this many slots on, a TTT query block's keys and mask are rebuilt in the backward
+# (activation checkpointing) instead of kept: kept, they grow with T² (each block holds
+# the step-0 keys before it), which at 32k tokens no longer fits a CPU's memory.
+RECOMPUTE_FROM = 4096
+
+
+def _ttt_block(q, k0, v0, diagonals_k, diagonals_v, mask: TTTMask, k, i0, i1, scale, keep: bool):
+    lo = mask.start(k, i0, i1)
+    keys = torch.cat([k0[:, :, lo:i1]] + [c[:, :, i0:i1] for c in diagonals_k], dim=2)
+    values = torch.cat([v0[:, :, lo:i1]] + [c[:, :, i0:i1] for c in diagonals_v], dim=2)
+    if q.device.type == "cpu":
+        return explicit_attention(q, keys, values, mask.bias_for_block(k, i0, i1, keep), scale)
+    return F.scaled_dot_product_attention(
+        q,
+        keys,
+        values,
+        attn_mask=mask.for_block(k, i0, i1, keep),
+        scale=scale,
+        enable_gqa=q.shape[1] != k0.shape[1],
+    )
 
 
 def _ttt_attention(q, cache: LayerCache, mask: TTTMask, scale: float) -> torch.Tensor:
@@ -174,35 +203,25 @@ def _ttt_attention(q, cache: LayerCache, mask: TTTMask, scale: float) -> torch.T
     One call per query block (see `TTTMask`), so no call sees the whole [T, (k+1)·T]
     key axis. On CPU each block runs `explicit_attention`, whose backward is ~3x faster
     there than the fused kernel's; elsewhere fused SDPA, and step 0 of a right-padded
-    batch is one causal SDPA call.
+    batch is one causal SDPA call. Past `RECOMPUTE_FROM` slots (under autograd) each block
+    is checkpointed, so the step's memory grows linearly with T.
     """
+    from torch.utils.checkpoint import checkpoint
+
     k = len(cache.k) - 1
     gqa = q.shape[1] != cache.k[0].shape[1]
-    on_cpu = q.device.type == "cpu"
-    if k == 0 and mask.right_padded and not on_cpu and mask.window is None:
+    if k == 0 and mask.right_padded and q.device.type != "cpu" and mask.window is None:
         return F.scaled_dot_product_attention(
             q, cache.k[0], cache.v[0], scale=scale, is_causal=True, enable_gqa=gqa
         )
+    recompute = mask.length >= RECOMPUTE_FROM and torch.is_grad_enabled()
     outs = []
     for i0, i1 in mask.blocks():
-        lo = mask.start(k, i0, i1)
-        keys = torch.cat([cache.k[0][:, :, lo:i1]] + [c[:, :, i0:i1] for c in cache.k[1:]], dim=2)
-        values = torch.cat([cache.v[0][:, :, lo:i1]] + [c[:, :, i0:i1] for c in cache.v[1:]], dim=2)
-        if on_cpu:
-            outs.append(
-                explicit_attention(q[:, :, i0:i1], keys, values, mask.bias_for_block(k, i0, i1), scale)
-            )
+        args = (q[:, :, i0:i1], cache.k[0], cache.v[0], cache.k[1:], cache.v[1:], mask, k, i0, i1, scale)
+        if recompute:
+            outs.append(checkpoint(_ttt_block, *args, False, use_reentrant=False))
         else:
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, i0:i1],
-                    keys,
-                    values,
-                    attn_mask=mask.for_block(k, i0, i1),
-                    scale=scale,
-                    enable_gqa=gqa,
-                )
-            )
+            outs.append(_ttt_block(*args, True))
     return torch.cat(outs, dim=2)
 
 

@@ -124,15 +124,21 @@ def test_draft_leaves_only_step0_entries_in_cache():
     assert cache.length == 8 and ids2.shape == (1, 3)
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("window", [None, 2, 4])
 @pytest.mark.parametrize("block", [2, 3, 64])
 @pytest.mark.parametrize("padding", ["right", "left"])
-def test_blocked_ttt_attention_equals_dense_mask(block, padding, window):
+def test_blocked_ttt_attention_equals_dense_mask(block, padding, window, recompute, monkeypatch):
     """Query blocks of any size (a ragged last one included) give the attention of SDPA
-    over the whole flattened key axis under the dense TTT mask, on real slots."""
+    over the whole flattened key axis under the dense TTT mask, on real slots; so do
+    blocks recomputed in the backward (long sequences), gradients included."""
     import torch.nn.functional as F
 
+    from eyas.heads import layers
     from eyas.heads.layers import LayerCache, _ttt_attention
+
+    if recompute:
+        monkeypatch.setattr(layers, "RECOMPUTE_FROM", 1)
 
     torch.manual_seed(2)
     b, h, hkv, t, d, k = 2, 4, 2, 7, 8, 3
