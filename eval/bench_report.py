@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from eyas.eval.bench_serve import BenchSettings
 
 PLOT_NAME = RunPaths.BENCH_SERVE_PLOT
+CONTEXT_PLOT_NAME = "bench_serve_by_context.png"
 
 
 def point_key(drafter: str, k: int | None, temperature: float, concurrency: int, repeat: int = 0) -> str:
@@ -357,3 +358,35 @@ def plot_speedup(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_served_by_context(report: dict, path: Path) -> Path | None:
+    """τ per context bucket of each drafter and K at the lowest concurrency and the
+    recommendation's temperature (the engine's per-request records, eval/context_buckets.py),
+    drawn as `eyas eval` draws its own; None when the engine reported no per-request records."""
+    from eyas.eval.context_buckets import plot_by_context
+
+    t, c = report["recommendation"].get("temperature"), report["concurrency"][0]
+    per_context = {
+        f"{p['drafter']} K={p['k']}": {
+            label: {
+                "tau": 1 + g["accepted_per_step"],
+                "per_position_acceptance": g["per_position_acceptance"],
+            }
+            for label, g in p["by_context"].items()
+            if g["accepted_per_step"] is not None
+        }
+        for p in report["points"]
+        if p["temperature"] == t and p["concurrency"] == c and p.get("by_context")
+    }
+    if not per_context:
+        return None
+    served = {"per_context": per_context, "workload": f"served, c={c}, T={t:g}", "k": max(report["ks"])}
+    return plot_by_context(served, path)
+
+
+def plot_report(report: dict, out_dir: Path) -> None:
+    """The bench's PNGs: speedup (`PLOT_NAME`) and, where the engine reported per-request
+    acceptance, τ by context (`CONTEXT_PLOT_NAME`)."""
+    plot_speedup(report, out_dir / PLOT_NAME)
+    plot_served_by_context(report, out_dir / CONTEXT_PLOT_NAME)

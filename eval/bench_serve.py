@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyas.core.acceptance import conditional_acceptance
-from eyas.eval.bench_report import PLOT_NAME, build_report, format_report, plot_speedup, point_key  # noqa: F401
+from eyas.eval.bench_report import PLOT_NAME, build_report, format_report, plot_report, point_key  # noqa: F401
 from eyas.eval.engine_counters import counter_delta, read_counters
 from eyas.eval.request_metrics import ENGINE_FLAG, engine_offers, per_request_fields
 from eyas.heads.serving_config import speculative_config
@@ -372,7 +372,7 @@ def run_bench(s: BenchSettings, out_dir: Path, progress: bool = True) -> dict:
     offline = offline_results(s, out_dir) if s.offline_eval else None
     report = build_report(s, [p for key, p in done.items() if key in wanted], offline)
     (out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
-    plot_speedup(report, out_dir / PLOT_NAME)
+    plot_report(report, out_dir)
     return report
 
 

@@ -104,6 +104,7 @@ def test_bench_measures_every_drafter_k_and_concurrency(fake_engine, tmp_path):
     assert rec["serve"]["1"]["drafter"] in {"ngram", "e3", "pe"}
     assert rec["command_at_lowest_concurrency"].startswith("vllm serve ")
     assert (tmp_path / "out" / B.PLOT_NAME).stat().st_size > 10_000
+    assert (tmp_path / "out" / "bench_serve_by_context.png").stat().st_size > 10_000
     text = B.format_report(report)
     assert "temperature 0.7" in text and "12/12" in text and "recommendation" in text
     assert "by context (prompt + half the output" in text and "<2k: tau" in text
