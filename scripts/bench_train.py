@@ -19,9 +19,9 @@ the script prints the load average it saw.
 times one training step per sample length instead (one sample of that length per step,
 synthetic features at SmolLM2's shape, the quickstart recipe's head and loss with the
 overrides; each length in a process of its own, so its peak memory is its own). Keys per
-length: step_seconds (timed steps after one warm-up), peak_memory_mb (CPU: the RSS sampled
-every 2 ms during the steps; CUDA: the allocator's peak) and growth_mb (that peak over the
-memory held before the first step),
+length: step_seconds (timed steps after `--warmup` untimed ones, default 1),
+peak_memory_mb (CPU: the RSS sampled every 2 ms during the steps; CUDA: the allocator's
+peak) and growth_mb (that peak over the memory held before the first step),
 plus growth_mb_per_1k_tokens, which stays flat when memory grows linearly with length.
 
   python scripts/bench_train.py --algorithms eagle3,peagle [--variant NAME:key=value,...]
@@ -164,6 +164,7 @@ def main() -> None:
         "--override", action="append", default=[], help="recipe override for --seq-lens (key=value)"
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed first steps per length (--seq-lens)")
     ap.add_argument("--one-length", type=int, default=None, help=argparse.SUPPRESS)  # a --seq-lens child
     args = ap.parse_args()
     keep_freed_memory()  # as every `eyas` command does
@@ -334,14 +335,14 @@ def one_length(args) -> dict:
         before = proc.memory_info().rss / 2**20
         threading.Thread(target=sample, daemon=True).start()
     seconds = []
-    for i in range(1 + args.steps):
+    for i in range(args.warmup + args.steps):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         step.run(batch)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if i:
+        if i >= args.warmup:
             seconds.append(round(time.perf_counter() - t0, 3))
     done.set()
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else max(samples) / 2**20
@@ -361,6 +362,7 @@ def bench_lengths(args) -> None:
 
     lengths = [int(x) for x in args.seq_lens.split(",") if x]
     base = [sys.executable, os.path.abspath(__file__), "--steps", str(args.steps), "--ttt", str(args.ttt)]
+    base += ["--warmup", str(args.warmup)]
     base += ["--device", args.device] + (["--threads", str(args.threads)] if args.threads else [])
     base += [f"--override={o}" for o in args.override]
     loadavg_before = os.getloadavg()[0]
@@ -373,6 +375,7 @@ def bench_lengths(args) -> None:
         row = json.loads(done.stdout.strip().splitlines()[-1])
         row["growth_mb_per_1k_tokens"] = round(1024 * row["growth_mb"] / n, 2)
         results.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)  # each length as it finishes
     device = (
         torch.cuda.get_device_name(0) if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     )
@@ -383,6 +386,7 @@ def bench_lengths(args) -> None:
                     "recipe": "recipes/smollm2-135m-eagle3.yaml",
                     "overrides": [f"train.eagle3.ttt_steps={args.ttt}", *args.override],
                     "timed_steps": args.steps,
+                    "warmup_steps": args.warmup,
                     "device": device,
                     "loadavg_before": loadavg_before,
                     "loadavg_after": os.getloadavg()[0],
