@@ -32,6 +32,7 @@ class RunPaths:
     EVAL_REPORT = "eval_report.json"
     EVAL_REPORT_MD = "eval_report.md"
     EVAL_PLOT = "eval_report.png"
+    EVAL_CONTEXT_PLOT = "eval_by_context.png"
     PLAN = "plan.json"
     PLAN_PLOT = "plan.png"
     # In the bench-serve directory.

@@ -1,9 +1,9 @@
 """Named data sources: the names a recipe's `data.sources` or an eval workload may give
-instead of a path (`sharegpt`, `humaneval:test`, `mtbench`, `bfcl:train`), each with its
+instead of a path (`sharegpt`, `humaneval:test`, `mtbench`, `bfcl:train`, `longctx:test`), each with its
 reader. Readers of conversations (data/conversations.py) and of workloads
 (eval/workloads.py) look a name up here; adding a source is one entry in `SOURCES`.
 
-A source either yields its rows itself (HumanEval and BFCL, built from their packages'
+A source either yields its rows itself (HumanEval, BFCL and the long-context files, built from their packages'
 files) or names a shipped file that is then read like any file of its kind (ShareGPT,
 MT-bench).
 """
@@ -19,6 +19,7 @@ from typing import Any
 from eyas.core.assets import packaged_file
 from eyas.data.bfcl import BFCL_SPLITS, bfcl_rows
 from eyas.data.humaneval import HUMANEVAL_SPLITS, humaneval_rows
+from eyas.data.longctx import LONGCTX_SPLITS, longctx_rows
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -47,6 +48,7 @@ SOURCES: dict[str, NamedSource] = {
     "mtbench": NamedSource(path=mtbench_path),
     **{name: NamedSource(rows=partial(humaneval_rows, name)) for name in HUMANEVAL_SPLITS},
     **{name: NamedSource(rows=partial(bfcl_rows, name)) for name in BFCL_SPLITS},
+    **{name: NamedSource(rows=partial(longctx_rows, name)) for name in LONGCTX_SPLITS},
 }
 
 

@@ -17,6 +17,7 @@ from eyas.eval.request_metrics import NOT_OFFERED
 from eyas.heads.serving_config import vllm_serve_command
 
 PLOT_NAME = RunPaths.BENCH_SERVE_PLOT
+CONTEXT_PLOT_NAME = "bench_serve_by_context.png"
 
 
 def point_key(drafter: str, k: int | None, temperature: float, concurrency: int, repeat: int = 0) -> str:
@@ -249,6 +250,26 @@ def per_request_lines(report: dict) -> list[str]:
                 if g["accepted_per_step"] is not None
             )
             lines.append(f"  {p['drafter']} K={p['k']}: {groups}")
+    lines += _context_lines(report, t, c)
+    return lines
+
+
+def _context_lines(report: dict, t, c) -> list[str]:
+    """Tokens per forward and first-position acceptance per context bucket (each request
+    in the bucket of its context halfway through its output), per drafter and K."""
+    lines = []
+    for p in report["points"]:
+        if p["temperature"] == t and p["concurrency"] == c and p.get("by_context"):
+            cells = []
+            for label, g in p["by_context"].items():
+                if g["accepted_per_step"] is None:
+                    continue
+                a1 = (g["per_position_acceptance"] or [None])[0]
+                first = "" if a1 is None else f", a1 {a1:.0%}"
+                cells.append(f"{label}: tau {1 + g['accepted_per_step']:.2f}{first} ({g['requests']} req)")
+            lines.append(f"  {p['drafter']} K={p['k']}: " + "; ".join(cells))
+    if lines:
+        lines.insert(0, f"by context (prompt + half the output; c={c}, temperature {t:g}):")
     return lines
 
 
@@ -334,3 +355,35 @@ def plot_speedup(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_served_by_context(report: dict, path: Path) -> Path | None:
+    """τ per context bucket of each drafter and K at the lowest concurrency and the
+    recommendation's temperature (the engine's per-request records, eval/context_buckets.py),
+    drawn as `eyas eval` draws its own; None when the engine reported no per-request records."""
+    from eyas.eval.context_buckets import plot_by_context
+
+    t, c = report["recommendation"].get("temperature"), report["concurrency"][0]
+    per_context = {
+        f"{p['drafter']} K={p['k']}": {
+            label: {
+                "tau": 1 + g["accepted_per_step"],
+                "per_position_acceptance": g["per_position_acceptance"],
+            }
+            for label, g in p["by_context"].items()
+            if g["accepted_per_step"] is not None
+        }
+        for p in report["points"]
+        if p["temperature"] == t and p["concurrency"] == c and p.get("by_context")
+    }
+    if not per_context:
+        return None
+    served = {"per_context": per_context, "workload": f"served, c={c}, T={t:g}", "k": max(report["ks"])}
+    return plot_by_context(served, path)
+
+
+def plot_report(report: dict, out_dir: Path) -> None:
+    """The bench's PNGs: speedup (`PLOT_NAME`) and, where the engine reported per-request
+    acceptance, τ by context (`CONTEXT_PLOT_NAME`)."""
+    plot_speedup(report, out_dir / PLOT_NAME)
+    plot_served_by_context(report, out_dir / CONTEXT_PLOT_NAME)

@@ -27,10 +27,10 @@ from pathlib import Path
 
 from eyas.core.acceptance import conditional_acceptance
 from eyas.core.run_paths import RunPaths
-from eyas.eval.bench_report import PLOT_NAME, build_report, format_report, plot_speedup, point_key  # noqa: F401
+from eyas.eval.bench_report import PLOT_NAME, build_report, format_report, plot_report, point_key  # noqa: F401
 from eyas.eval.bench_settings import BenchError, BenchSettings, Drafter
 from eyas.eval.engine_counters import counter_delta, read_counters
-from eyas.eval.request_metrics import ENGINE_FLAG, by_prompt_length, engine_offers, request_record
+from eyas.eval.request_metrics import ENGINE_FLAG, engine_offers, per_request_fields
 
 log = logging.getLogger(__name__)
 
@@ -194,15 +194,6 @@ def summarize_level(results: list[RequestResult], wall: float, counters: dict) -
     }
 
 
-def per_request_fields(results: list[RequestResult]) -> dict:
-    """The engine's per-request acceptance, when it reported it: one record per request
-    (in prompt order) and the requests grouped by prompt length."""
-    if not any(r.spec for r in results):
-        return {}
-    records = [request_record(r.prompt_tokens, r.spec) for r in results if r.spec]
-    return {"per_request": records, "by_prompt_length": by_prompt_length(records)}
-
-
 # --- the bench --------------------------------------------------------------------------
 
 
@@ -287,7 +278,7 @@ def run_bench(s: BenchSettings, out_dir: Path, progress: bool = True) -> dict:
     offline = offline_results(s, out_dir) if s.offline_eval else None
     report = build_report(s, [p for key, p in done.items() if key in wanted], offline)
     (out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
-    plot_speedup(report, out_dir / PLOT_NAME)
+    plot_report(report, out_dir)
     return report
 
 

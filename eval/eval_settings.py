@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eyas.eval.context_buckets import DEFAULT_EDGES
+
 
 @dataclass(frozen=True)
 class EvalSettings:
@@ -23,6 +25,8 @@ class EvalSettings:
     top_k: int = 0
     top_p: float = 1.0
     greedy_drafts: bool = False
+    # The edges (tokens) of the context buckets acceptance is also summarised in.
+    context_buckets: tuple[int, ...] = DEFAULT_EDGES
 
     @classmethod
     def from_section(cls, ev, replay=frozenset(), tie_tolerance: float | None = None) -> EvalSettings:
@@ -38,6 +42,7 @@ class EvalSettings:
             top_k=ev.top_k,
             top_p=ev.top_p,
             greedy_drafts=ev.sampler == "vllm" and ev.draft_sample_method == "greedy",
+            context_buckets=tuple(ev.context_buckets),
         )
 
     @property

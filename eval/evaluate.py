@@ -11,7 +11,7 @@ import torch
 
 from eyas.data.reasoning import decoded_reply
 from eyas.eval.eval_settings import EvalSettings
-from eyas.eval.report import summarize
+from eyas.eval.report import summarize, summarize_by_context
 from eyas.eval.speculate import greedy_decode, replay_greedy, speculative_decode
 from eyas.eval.workloads import WorkloadPrompt, render_turn
 from eyas.target.load import stop_token_ids
@@ -140,6 +140,9 @@ def run_eval(
         "per_turn": {
             str(t): {n: summarize(tr, k) for n, tr in d.items()} for t, d in sorted(by_turn.items())
         },
+        # acceptance by the context each draft step saw (eval/context_buckets.py)
+        "context_buckets": list(settings.context_buckets),
+        "per_context": {n: summarize_by_context(t, k, settings.context_buckets) for n, t in traces.items()},
         "replayed": sorted(replay),
         "lossless": lossless_verdict(mismatches, checked, tol, exact, model.dtype),
     }

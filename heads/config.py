@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class DraftHeadConfig(BaseModel):
@@ -32,7 +32,14 @@ class DraftHeadConfig(BaseModel):
     num_hidden_layers: int = 1
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # The target's (or an imported head's) RoPE scaling, transformers' layout without the
+    # base: `{"rope_type": "llama3", "factor": 8.0, ...}`; None is plain RoPE (heads/rope.py).
+    rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
+    # Every head layer attends to the last `sliding_window` positions only (a query at
+    # position i to keys at i - W + 1 .. i, as vLLM's and transformers' windows); None: the
+    # whole context. Exported as vLLM's `layer_types` + `sliding_window` (DESIGN §3, §5).
+    sliding_window: int | None = Field(None, ge=1)
     hidden_act: Literal["silu"] = "silu"
     vocab_size: int
     draft_vocab_size: int
@@ -56,6 +63,13 @@ class DraftHeadConfig(BaseModel):
         get_algorithm(name)  # an unknown name is refused, naming the known ones
         return name
 
+    @field_validator("rope_scaling")
+    @classmethod
+    def _applicable_rope(cls, scaling: dict | None) -> dict | None:
+        from eyas.heads.rope import scaling_from_parameters
+
+        return scaling_from_parameters(scaling)
+
     @model_validator(mode="after")
     def _check(self) -> DraftHeadConfig:
         ids = self.aux_layer_ids
@@ -78,6 +92,10 @@ class DraftHeadConfig(BaseModel):
                 raise ValueError(
                     f"a P-EAGLE head needs a mask_token_id inside the vocabulary, got {self.mask_token_id}"
                 )
+        from eyas.heads.rope import rope_frequencies
+
+        # a setting transformers cannot apply fails here, at load, not at the first step
+        rope_frequencies(self.head_dim, self.rope_theta, self.max_position_embeddings, self.rope_scaling)
         return self
 
     @property
@@ -113,11 +131,28 @@ class DraftHeadConfig(BaseModel):
         return cls.model_validate_json(Path(path).read_text())
 
 
+def _rope_parameters(text_cfg) -> dict:
+    """The target's rope parameters (transformers 5 merges `rope_scaling` into them); for
+    per-layer-type parameters, the full-attention layers' ones."""
+    params = getattr(text_cfg, "rope_parameters", None) or getattr(text_cfg, "rope_scaling", None) or {}
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    return params if isinstance(params, dict) else {}
+
+
 def _rope_theta(text_cfg) -> float:
-    params = getattr(text_cfg, "rope_parameters", None) or {}
-    if isinstance(params, dict) and "rope_theta" in params:
+    params = _rope_parameters(text_cfg)
+    if "rope_theta" in params:
         return float(params["rope_theta"])
     return float(getattr(text_cfg, "rope_theta", 10000.0) or 10000.0)
+
+
+def target_rope_scaling(text_cfg) -> dict | None:
+    """The target's RoPE scaling as the head carries it (None: plain RoPE); a scaling the
+    head cannot apply is refused, naming the target's key."""
+    from eyas.heads.rope import scaling_from_parameters
+
+    return scaling_from_parameters(_rope_parameters(text_cfg) or None, "the target's config rope_parameters")
 
 
 def head_config_from_target(
@@ -166,5 +201,5 @@ def head_config_from_target(
             architectures or getattr(text_cfg, "architectures", None) or ["LlamaForCausalLM"]
         ),
         verifier_name_or_path=verifier_name_or_path,
-        **options,
+        **{"rope_scaling": target_rope_scaling(text_cfg), **options},
     )

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from eyas.core.problems import given
 from eyas.heads.algorithms import eagle_layout_algorithm, find_algorithm
+from eyas.heads.attention_config import read_attention
 from eyas.heads.export import CONFIG_NAME, ExportFormatError
 from eyas.heads.io import CONFIG_NAME as EYAS_CONFIG
 from eyas.heads.serving_config import (
@@ -263,6 +264,7 @@ def read_fields(
 
     shape, layer_notes = layer_shape(layer, where, invalid)
     notes.extend(layer_notes)
+    attention = read_attention(layer, shape, where, notes, problems)
     h, vt = layer.hidden_size, layer.vocab_size
     vd = top.draft_vocab_size if given(top, "draft_vocab_size") else vt
     if _is_int(vd) and _is_int(vt) and vd > vt:
@@ -337,6 +339,7 @@ def read_fields(
         k=k,
         rms_norm_eps=shape.rms_norm_eps,
         rope_theta=shape.rope_theta,
+        **attention,
         max_position_embeddings=shape.max_position_embeddings,
         target_num_layers=target_layers,
         target_model_type=model_type,

@@ -11,7 +11,6 @@ Attention accepts three kinds of `mask`:
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 
@@ -21,6 +20,8 @@ from torch import nn
 
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.explicit_attention import explicit_attention
+from eyas.heads.flex_attention import flex_block_attention, is_block_mask
+from eyas.heads.rope import apply_rope, rope_cos_sin, rope_frequencies
 
 log = logging.getLogger(__name__)
 
@@ -40,42 +41,33 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """positions [B, T] -> cos, sin [B, 1, T, head_dim] (rotate-half layout, as Llama)."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    )
-    freqs = positions.float()[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
 class LayerCache:
     """Keys and values one attention layer has seen, as a list of chunks `[B, Hkv, Ti, d]`
-    (one chunk per call). Training keeps the chunks apart (TTT attends to them
-    differently); inference reads them concatenated."""
+    (one chunk per call), with each key's position `[B, Ti]` (a sliding window reads
+    them). Training keeps the chunks apart (TTT attends to them differently); inference
+    reads them concatenated."""
 
     def __init__(self):
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.pos: list[torch.Tensor | None] = []
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         self.k.append(k)
         self.v.append(v)
+        self.pos.append(positions)
 
     def concatenated(self) -> tuple[torch.Tensor, torch.Tensor]:
         if len(self.k) > 1:  # fold chunks once so later reads are cheap
             self.k, self.v = [torch.cat(self.k, dim=2)], [torch.cat(self.v, dim=2)]
+            known = all(p is not None for p in self.pos)
+            self.pos = [torch.cat(self.pos, dim=1) if known else None]
         return self.k[0], self.v[0]
+
+    def positions(self) -> torch.Tensor | None:
+        """The positions `[B, Tk]` of the keys `concatenated` returns (None: not recorded)."""
+        self.concatenated()
+        return self.pos[0]
 
     @property
     def length(self) -> int:
@@ -87,6 +79,7 @@ class LayerCache:
             return
         k, v = self.concatenated()
         self.k, self.v = [k[:, :, :length]], [v[:, :, :length]]
+        self.pos = [None if self.pos[0] is None else self.pos[0][:, :length]]
 
 
 class HeadCache:
@@ -119,43 +112,89 @@ class TTTMask:
     keys [0, i1) and its own stretch [i0, i1) of each diagonal chunk, so a step costs
     ~T²/2 + k·T·block scores instead of (k+1)·T². Default: 64 on CPU (fastest measured
     at T=512 on the reference machine), 256 elsewhere, where each call costs a launch.
+
+    With a sliding `window` W the query at slot t of step k (position t + k) sees only
+    keys at positions > t + k - W: step-0 keys of slots s >= t + k - W + 1, and diagonal
+    j only while k - j < W. A block then reads step-0 keys [`start(k, i0, i1)`, i1) alone,
+    so a step's scores and memory grow linearly with T.
     """
 
-    def __init__(self, attention_mask: torch.Tensor, block: int | None = None):
+    def __init__(self, attention_mask: torch.Tensor, block: int | None = None, window: int | None = None):
         real = attention_mask.bool()
         self.length = real.shape[1]
         self.real = real
         self.block = block or (64 if real.device.type == "cpu" else 256)
+        self.window = window
         self.right_padded = bool((real[:, 1:] <= real[:, :-1]).all())
         self._masks: dict[tuple, torch.Tensor] = {}
 
     def blocks(self) -> list[tuple[int, int]]:
         return [(i0, min(i0 + self.block, self.length)) for i0 in range(0, self.length, self.block)]
 
-    def for_block(self, k: int, i0: int, i1: int) -> torch.Tensor:
-        """The mask of step k for queries [i0, i1): `[B|1, 1, i1-i0, i1 + k·(i1-i0)]` bool
-        (True = may attend) over step-0 keys [0, i1) then each step's keys [i0, i1)."""
-        if (k, i0) not in self._masks:
-            device = self.real.device
-            rows = torch.arange(i0, i1, device=device)[:, None]
-            step0 = torch.arange(i1, device=device)[None, :] <= rows  # [c, i1]
-            if not self.right_padded:
-                step0 = step0[None] & (
-                    self.real[:, None, :i1] | (torch.arange(i1, device=device) == rows)[None]
-                )
-            else:
-                step0 = step0[None]
-            eye = torch.eye(i1 - i0, dtype=torch.bool, device=device).expand(step0.shape[0], -1, -1)
-            self._masks[(k, i0)] = torch.cat([step0] + [eye] * k, dim=-1)[:, None]
-        return self._masks[(k, i0)]
+    def start(self, k: int, i0: int, i1: int) -> int:
+        """The first step-0 key any query of the block [i0, i1) of step k may see (i1: none;
+        deep steps of a small window see their own diagonals alone)."""
+        return 0 if self.window is None else min(i1, max(0, i0 + k - self.window + 1))
 
-    def bias_for_block(self, k: int, i0: int, i1: int) -> torch.Tensor:
+    def for_block(self, k: int, i0: int, i1: int, keep: bool = True) -> torch.Tensor:
+        """The mask of step k for queries [i0, i1): `[B|1, 1, i1-i0, (i1-lo) + k·(i1-i0)]`
+        bool (True = may attend) over step-0 keys [lo, i1) (lo = `start(k, i0, i1)`) then each
+        step's keys [i0, i1). `keep`: cache it for the next layer and step (False: a long
+        sequence's masks would hold T² entries)."""
+        if (k, i0) in self._masks:
+            return self._masks[(k, i0)]
+        device = self.real.device
+        lo = self.start(k, i0, i1)
+        rows = torch.arange(i0, i1, device=device)[:, None]
+        cols = torch.arange(lo, i1, device=device)[None, :]
+        step0 = cols <= rows  # [c, i1 - lo]
+        if self.window is not None:
+            step0 = step0 & (rows + k - cols < self.window)
+        if not self.right_padded:
+            step0 = step0[None] & (self.real[:, None, lo:i1] | (cols == rows)[None])
+        else:
+            step0 = step0[None]
+        eye = torch.eye(i1 - i0, dtype=torch.bool, device=device).expand(step0.shape[0], -1, -1)
+        diagonals = [
+            eye if self.window is None or k - j < self.window else eye & False for j in range(1, k + 1)
+        ]
+        allowed = torch.cat([step0, *diagonals], dim=-1)[:, None]
+        if keep:
+            self._masks[(k, i0)] = allowed
+        return allowed
+
+    def bias_for_block(self, k: int, i0: int, i1: int, keep: bool = True) -> torch.Tensor:
         """`for_block` as an additive float32 bias (0 = may attend, -inf = masked)."""
-        if (k, i0, "bias") not in self._masks:
-            allowed = self.for_block(k, i0, i1)
-            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
-            self._masks[(k, i0, "bias")] = bias.masked_fill_(~allowed, float("-inf"))
-        return self._masks[(k, i0, "bias")]
+        if (k, i0, "bias") in self._masks:
+            return self._masks[(k, i0, "bias")]
+        allowed = self.for_block(k, i0, i1, keep)
+        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
+        bias.masked_fill_(~allowed, float("-inf"))
+        if keep:
+            self._masks[(k, i0, "bias")] = bias
+        return bias
+
+
+# From this many slots on, a TTT query block's keys and mask are rebuilt in the backward
+# (activation checkpointing) instead of kept: kept, they grow with T² (each block holds
+# the step-0 keys before it), which at 32k tokens no longer fits a CPU's memory.
+RECOMPUTE_FROM = 4096
+
+
+def _ttt_block(q, k0, v0, diagonals_k, diagonals_v, mask: TTTMask, k, i0, i1, scale, keep: bool):
+    lo = mask.start(k, i0, i1)
+    keys = torch.cat([k0[:, :, lo:i1]] + [c[:, :, i0:i1] for c in diagonals_k], dim=2)
+    values = torch.cat([v0[:, :, lo:i1]] + [c[:, :, i0:i1] for c in diagonals_v], dim=2)
+    if q.device.type == "cpu":
+        return explicit_attention(q, keys, values, mask.bias_for_block(k, i0, i1, keep), scale)
+    return F.scaled_dot_product_attention(
+        q,
+        keys,
+        values,
+        attn_mask=mask.for_block(k, i0, i1, keep),
+        scale=scale,
+        enable_gqa=q.shape[1] != k0.shape[1],
+    )
 
 
 def _ttt_attention(q, cache: LayerCache, mask: TTTMask, scale: float) -> torch.Tensor:
@@ -164,34 +203,25 @@ def _ttt_attention(q, cache: LayerCache, mask: TTTMask, scale: float) -> torch.T
     One call per query block (see `TTTMask`), so no call sees the whole [T, (k+1)·T]
     key axis. On CPU each block runs `explicit_attention`, whose backward is ~3x faster
     there than the fused kernel's; elsewhere fused SDPA, and step 0 of a right-padded
-    batch is one causal SDPA call.
+    batch is one causal SDPA call. Past `RECOMPUTE_FROM` slots (under autograd) each block
+    is checkpointed, so the step's memory grows linearly with T.
     """
+    from torch.utils.checkpoint import checkpoint
+
     k = len(cache.k) - 1
     gqa = q.shape[1] != cache.k[0].shape[1]
-    on_cpu = q.device.type == "cpu"
-    if k == 0 and mask.right_padded and not on_cpu:
+    if k == 0 and mask.right_padded and q.device.type != "cpu" and mask.window is None:
         return F.scaled_dot_product_attention(
             q, cache.k[0], cache.v[0], scale=scale, is_causal=True, enable_gqa=gqa
         )
+    recompute = mask.length >= RECOMPUTE_FROM and torch.is_grad_enabled()
     outs = []
     for i0, i1 in mask.blocks():
-        keys = torch.cat([cache.k[0][:, :, :i1]] + [c[:, :, i0:i1] for c in cache.k[1:]], dim=2)
-        values = torch.cat([cache.v[0][:, :, :i1]] + [c[:, :, i0:i1] for c in cache.v[1:]], dim=2)
-        if on_cpu:
-            outs.append(
-                explicit_attention(q[:, :, i0:i1], keys, values, mask.bias_for_block(k, i0, i1), scale)
-            )
+        args = (q[:, :, i0:i1], cache.k[0], cache.v[0], cache.k[1:], cache.v[1:], mask, k, i0, i1, scale)
+        if recompute:
+            outs.append(checkpoint(_ttt_block, *args, False, use_reentrant=False))
         else:
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, i0:i1],
-                    keys,
-                    values,
-                    attn_mask=mask.for_block(k, i0, i1),
-                    scale=scale,
-                    enable_gqa=gqa,
-                )
-            )
+            outs.append(_ttt_block(*args, True))
     return torch.cat(outs, dim=2)
 
 
@@ -201,11 +231,16 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.rope_theta = cfg.rope_theta
+        # float32 on the CPU, never cast with the module: bf16 frequencies would rotate
+        # far positions wrongly (heads/rope.py)
+        self.inv_freq, self.rope_scale = rope_frequencies(
+            cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
+        )
         self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.sliding_window = cfg.sliding_window
         # Set to a list by a training probe (train/copy_attention.py) to receive head 0's
         # RoPE'd query and key `([B, T, d], [B, T, d])` of every call; None records nothing.
         self.head0_probe: list | None = None
@@ -217,17 +252,22 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
+        if self.inv_freq.device != positions.device:  # moved once, not copied every call
+            self.inv_freq = self.inv_freq.to(positions.device)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.head0_probe is not None:
             self.head0_probe.append((q[:, 0], k[:, 0]))  # query head 0 reads KV head 0
-        cache.append(k, v)
+        cache.append(k, v, positions)
         scale = 1.0 / math.sqrt(self.head_dim)
         if isinstance(mask, TTTMask):
             out = _ttt_attention(q, cache, mask, scale)
         else:
             keys, values = cache.concatenated()
-            if _is_block_mask(mask):
+            if self.sliding_window is not None and not is_block_mask(mask):
+                # a BlockMask (P-EAGLE on CUDA) carries the window in its own rule
+                mask = window_mask(positions, cache.positions(), self.sliding_window, mask)
+            if is_block_mask(mask):
                 out = flex_block_attention(q, keys, values, mask, scale, self.num_heads != self.num_kv_heads)
             else:
                 if mask is None and t > 1 and keys.shape[2] > t:
@@ -244,93 +284,19 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, mask=None) -> torch.Tensor:
+    """[B, 1, Tq, Tk] bool: a query at position i sees keys at positions i - window + 1 .. i
+    (vLLM's and transformers' sliding window), and-ed with `mask` when one is given (None:
+    the position rule alone is the causal mask)."""
+    diff = q_pos[:, None, :, None] - k_pos[:, None, None, :]
+    allowed = (diff >= 0) & (diff < window)
+    return allowed if mask is None else allowed & mask
+
+
 def prefix_causal_mask(num_new: int, num_keys: int, device) -> torch.Tensor:
     """[1, 1, num_new, num_keys]: new query i sees every earlier key and new keys <= i."""
     q = torch.arange(num_new, device=device)[:, None] + (num_keys - num_new)
     return (torch.arange(num_keys, device=device)[None, :] <= q)[None, None]
-
-
-FLEX_MIN_LENGTH = 128  # flex attention's block: a shorter sequence is one block anyway
-FLEX_RECOMPILE_LIMIT = 128  # more than the (rows, length) buckets a run can meet
-
-
-def flex_bucket(n: int, least: int = 1) -> int:
-    """The size flex attention runs at for `n` rows or elements: the next power of two, at
-    least `least`. The compiled kernel is specialised to its shapes, and past dynamo's
-    recompile limit (8 by default) dynamo runs flex eagerly, an unfused reference that
-    materialises every score (out of memory at GPT-OSS's P-EAGLE segments); P-EAGLE's
-    element count is new every batch, so shapes are rounded to these few sizes. Padding
-    elements attend only to themselves: their blocks are skipped but the diagonal."""
-    return max(least, 1 << max(0, n - 1).bit_length())
-
-
-@functools.cache
-def _compiled_flex_attention():
-    """flex_attention compiled once per process: run eagerly it falls back to an unfused
-    reference that materialises every score and skips no masked block. Each shape bucket
-    (`flex_bucket`) compiles once; the recompile limit is raised to hold them all."""
-    import torch._dynamo
-    from torch.nn.attention.flex_attention import flex_attention
-
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
-    return torch.compile(flex_attention, dynamic=False)
-
-
-def _pad_rows_and_length(x: torch.Tensor, rows: int, length: int) -> torch.Tensor:
-    """x [B, heads, L, D] zero-padded to [rows, heads, length, D]."""
-    return F.pad(x, (0, 0, 0, length - x.shape[2], 0, 0, 0, rows - x.shape[0]))
-
-
-def flex_kernel_options(q: torch.Tensor) -> dict | None:
-    """Tile sizes for flex attention where its own choice is slow: at head_dim 64 on a GPU
-    (GPT-OSS, SmolLM2, Llama-3.2 heads) torch picked a forward 30x slower than at head_dim
-    128 for the same mask and FLOPs; these tiles took the forward from 506 to 28 ms and
-    forward + backward from 577 to 99 ms (GPT-OSS-20B P-EAGLE shape, H200, torch 2.11;
-    scripts/bench_flex_attention.py repeats the measurement). None: torch's choice."""
-    if q.device.type == "cuda" and q.shape[-1] == 64:
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
-    return None
-
-
-_flex_options_failed: list[str] = []  # the error, once a torch refused the tiles above
-
-
-def flex_block_attention(q, keys, values, block_mask, scale: float, gqa: bool) -> torch.Tensor:
-    """Compiled flex attention over a BlockMask, with `flex_kernel_options`; a torch whose
-    flex rejects those tiles gets its own choice (warned once) instead of a failed run.
-    A mask built for more rows or a longer sequence (`flex_bucket`) gets q, keys and values
-    zero-padded to its shape, and the output cut back."""
-    b, n = q.shape[0], q.shape[2]
-    if block_mask is not None:
-        rows, _, q_len, kv_len = block_mask.shape
-        if (rows, q_len, kv_len) != (b, n, keys.shape[2]):
-            q = _pad_rows_and_length(q, rows, q_len)
-            keys, values = (_pad_rows_and_length(x, rows, kv_len) for x in (keys, values))
-    return _flex_attention_with_options(q, keys, values, block_mask, scale, gqa)[:b, :, :n]
-
-
-def _flex_attention_with_options(q, keys, values, block_mask, scale: float, gqa: bool) -> torch.Tensor:
-    options = None if _flex_options_failed else flex_kernel_options(q)
-    if options is not None:
-        try:
-            return _compiled_flex_attention()(
-                q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=gqa, kernel_options=options
-            )
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError as err:
-            _flex_options_failed.append(f"{type(err).__name__}: {err}")
-            log.warning(
-                "flex attention refused kernel options %s; using torch's own: %s",
-                options,
-                _flex_options_failed[0][:500],
-            )
-    return _compiled_flex_attention()(q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-
-
-def _is_block_mask(mask) -> bool:
-    return mask is not None and type(mask).__name__ == "BlockMask"
 
 
 class MLP(nn.Module):

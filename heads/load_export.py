@@ -35,6 +35,8 @@ def config_from_fields(f: dict) -> DraftHeadConfig:
         num_hidden_layers=f["layers"],
         rms_norm_eps=f["rms_norm_eps"],
         rope_theta=f["rope_theta"],
+        rope_scaling=f["rope_scaling"],
+        sliding_window=f["sliding_window"],
         max_position_embeddings=f["max_position_embeddings"],
         vocab_size=f["vt"],
         draft_vocab_size=f["vd"],

@@ -41,8 +41,10 @@ def build_layer(cfg: DraftHeadConfig) -> TransformerLayerConfig:
         hidden_act=cfg.hidden_act,
         rms_norm_eps=cfg.rms_norm_eps,
         rope_theta=cfg.rope_theta,
-        rope_parameters=RopeParameters(rope_type="default", rope_theta=cfg.rope_theta),
+        **_rope_fields(cfg),
         max_position_embeddings=cfg.max_position_embeddings,
+        sliding_window=cfg.sliding_window,
+        layer_types=["sliding_attention"] * cfg.num_hidden_layers if cfg.sliding_window else None,
         vocab_size=cfg.vocab_size,
         attention_bias=False,
         mlp_bias=False,
@@ -51,6 +53,18 @@ def build_layer(cfg: DraftHeadConfig) -> TransformerLayerConfig:
         fc_norm=peagle and cfg.fc_norm,
         norm_output=peagle and cfg.norm_output,
     )
+
+
+def _rope_fields(cfg: DraftHeadConfig) -> dict[str, Any]:
+    """`rope_parameters` (transformers 5, vLLM 0.32) and, for a scaled head, the same
+    scaling as `rope_scaling` too (older readers take only that key): both say the same,
+    so whichever a reader prefers it rotates as the head was trained."""
+    scaling = cfg.rope_scaling or {"rope_type": "default"}
+    kind, settings = scaling["rope_type"], {k: v for k, v in scaling.items() if k != "rope_type"}
+    out = {"rope_parameters": RopeParameters(rope_type=kind, rope_theta=cfg.rope_theta, **settings)}
+    if cfg.rope_scaling:
+        out["rope_scaling"] = RopeParameters(rope_type=kind, **settings)
+    return out
 
 
 def _head_fields(cfg: DraftHeadConfig) -> dict[str, Any]:

@@ -117,6 +117,10 @@ class TransformerLayerConfig(_Schema):
     rope_parameters: RopeParameters | None = _optional("an object")
     rope_scaling: RopeParameters | None = _optional("an object")
     max_position_embeddings: StrictInt | None = _optional()
+    # Sliding-window head layers: vLLM's llama draft layer (0.32) reads the window only
+    # through `layer_types` (one entry per head layer), as transformers' models do.
+    sliding_window: StrictInt | None = _optional("a positive integer", ge=1)
+    layer_types: list[StrictStr] | None = _optional("a list of strings")
     vocab_size: StrictInt
     attention_bias: StrictBool | None = _optional()
     mlp_bias: StrictBool | None = _optional()
@@ -315,14 +319,6 @@ def layer_shape(
         if values[key] is None:
             values[key] = default
             defaulted.append(f"{key}={default}")
-    kind = next((r.kind for r in (layer.rope_scaling, params) if r is not None and r.kind), None)
-    if kind and kind != "default":
-        notes.append(
-            f"{where}rope_scaling {kind!r}: eyas's head applies plain rope (theta "
-            f"{values['rope_theta']}), so "
-            "its training and offline eval differ from vLLM's serving of this config at long positions; "
-            "an export from eyas writes plain rope"
-        )
     if defaulted:
         notes.append(
             f"{where or 'config.json: '}absent, the llama defaults vLLM applies: {', '.join(defaulted)}"

@@ -1,6 +1,6 @@
 """P-EAGLE's attention on a GPU: compiled flex attention over the P-EAGLE block mask at a
 target's head shape, with torch's own tile choice against the tiles eyas passes
-(`eyas.heads.layers.flex_kernel_options`). Prints JSON; on a machine without CUDA it
+(`eyas.heads.flex_attention.flex_kernel_options`). Prints JSON; on a machine without CUDA it
 prints {"skipped": ...} (flex attention has no CPU backward).
 
   python scripts/bench_flex_attention.py [--target gpt-oss-20b] [--batch 8] [--seq 2048] [--num-depths 10]
@@ -38,7 +38,7 @@ def main() -> None:
 
     from torch.nn.attention.flex_attention import flex_attention
 
-    from eyas.heads.layers import flex_kernel_options
+    from eyas.heads.flex_attention import flex_kernel_options
     from eyas.train.masks import peagle_block_mask
     from eyas.train.peagle import cod_grid, compact
 

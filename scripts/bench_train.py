@@ -14,6 +14,18 @@ the script prints the load average it saw.
 
   python scripts/bench_train.py --algorithms eagle3,peagle [--variant NAME:key=value,...]
 
+  python scripts/bench_train.py --seq-lens 2048,8192,32768 [--override head.sliding_window=2048]
+
+times one training step per sample length instead (one sample of that length per step,
+synthetic features at SmolLM2's shape, the quickstart recipe's head and loss with the
+overrides; each length in a process of its own, so its peak memory is its own). Keys per
+length: step_seconds (timed steps after `--warmup` untimed ones, default 1),
+peak_memory_mb (CPU: the RSS sampled every 2 ms during the steps; CUDA: the allocator's
+peak) and growth_mb (that peak over the memory held before the first step),
+plus growth_mb_per_1k_tokens, which stays flat when memory grows linearly with length.
+
+  python scripts/bench_train.py --algorithms eagle3,peagle [--variant NAME:key=value,...]
+
 compares training algorithms instead: each is trained from its shipped SmolLM2 recipe
 (recipes/smollm2-135m-<algorithm>.yaml) on the same cached-feature batches, the heads
 taking turns batch by batch; `--variant` adds a head of a recipe with overrides (e.g.
@@ -147,8 +159,21 @@ def main() -> None:
         default=[],
         help="NAME:key=value,... one more head: a recipe (head.algorithm's) with overrides",
     )
+    ap.add_argument("--seq-lens", default=None, help="comma-separated sample lengths: time one step at each")
+    ap.add_argument(
+        "--override", action="append", default=[], help="recipe override for --seq-lens (key=value)"
+    )
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed first steps per length (--seq-lens)")
+    ap.add_argument("--one-length", type=int, default=None, help=argparse.SUPPRESS)  # a --seq-lens child
     args = ap.parse_args()
     keep_freed_memory()  # as every `eyas` command does
+    if args.one_length:
+        print(json.dumps(one_length(args)))
+        return
+    if args.seq_lens:
+        bench_lengths(args)
+        return
     if args.algorithms:
         compare_algorithms(args)
         return
@@ -269,6 +294,109 @@ def main() -> None:
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["settings"]["loadavg_after"] = os.getloadavg()[0]
     print(json.dumps(result, indent=1))
+
+
+def one_length(args) -> dict:
+    """One process, one length: build the step, one warm-up step, `args.steps` timed ones."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_head_step import target_config
+
+    from eyas.train.step_timing import build_head_step, synthetic_batch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n = args.one_length
+    recipe = _recipe_of("eagle3", [f"train.eagle3.ttt_steps={args.ttt}", *args.override])
+    cfg_t = target_config("smollm2-135m")
+    device = torch.device(args.device)
+    step = build_head_step(recipe, cfg_t, "smollm2-135m", device, rows=n)
+    gen = torch.Generator().manual_seed(0)
+    batch = synthetic_batch(1, n, cfg_t.vocab_size, step.aux_width, cfg_t.hidden_size, device, gen, [n])
+
+    import threading
+
+    import psutil
+
+    # CPU: the RSS sampled every 2 ms while the steps run (the process's own peak RSS is
+    # mostly the setup's); CUDA: the allocator's peak
+    proc, samples, done = psutil.Process(), [], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            samples.append(proc.memory_info().rss)
+            done.wait(0.002)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device) / 2**20
+    else:
+        before = proc.memory_info().rss / 2**20
+        threading.Thread(target=sample, daemon=True).start()
+    seconds = []
+    for i in range(args.warmup + args.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step.run(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= args.warmup:
+            seconds.append(round(time.perf_counter() - t0, 3))
+    done.set()
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else max(samples) / 2**20
+    return {
+        "seq": n,
+        "step_seconds": seconds,
+        "tokens_per_s": n / statistics.median(seconds),
+        "peak_memory_mb": round(peak, 1),
+        "growth_mb": round(peak - before, 1),
+    }
+
+
+def bench_lengths(args) -> None:
+    """`--seq-lens`: each length in a child process (a CPU's peak RSS is per process)."""
+    import subprocess
+    import sys
+
+    lengths = [int(x) for x in args.seq_lens.split(",") if x]
+    base = [sys.executable, os.path.abspath(__file__), "--steps", str(args.steps), "--ttt", str(args.ttt)]
+    base += ["--warmup", str(args.warmup)]
+    base += ["--device", args.device] + (["--threads", str(args.threads)] if args.threads else [])
+    base += [f"--override={o}" for o in args.override]
+    loadavg_before = os.getloadavg()[0]
+    results = []
+    for n in lengths:
+        done = subprocess.run([*base, "--one-length", str(n)], capture_output=True, text=True)
+        if done.returncode:
+            results.append({"seq": n, "error": done.stderr.strip().splitlines()[-1:]})
+            continue
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+        row["growth_mb_per_1k_tokens"] = round(1024 * row["growth_mb"] / n, 2)
+        results.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)  # each length as it finishes
+    device = (
+        torch.cuda.get_device_name(0) if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    )
+    print(
+        json.dumps(
+            {
+                "settings": {
+                    "recipe": "recipes/smollm2-135m-eagle3.yaml",
+                    "overrides": [f"train.eagle3.ttt_steps={args.ttt}", *args.override],
+                    "timed_steps": args.steps,
+                    "warmup_steps": args.warmup,
+                    "device": device,
+                    "loadavg_before": loadavg_before,
+                    "loadavg_after": os.getloadavg()[0],
+                    "torch": torch.__version__,
+                },
+                "lengths": results,
+            },
+            indent=1,
+        )
+    )
 
 
 def _recipe_of(algorithm: str, overrides: list[str]):

@@ -97,12 +97,17 @@ def test_bench_measures_every_drafter_k_and_concurrency(fake_engine, tmp_path):
     assert "--per-request-spec-decode-metrics" in starts[-1] and report["per_request_metrics"] == "recorded"
     assert len(e3["per_request"]) == 6 and sum(r["accepted"] for r in e3["per_request"]) == e3["accepted"]
     assert sum(g["requests"] for g in e3["by_prompt_length"]) == 6
+    # and in context buckets: these short prompts all fall under 2k
+    assert list(e3["by_context"]) == ["<2k"] and e3["by_context"]["<2k"]["requests"] == 6
+    assert all(r["output_tokens"] == 12 for r in e3["per_request"])
     rec = report["recommendation"]
     assert rec["serve"]["1"]["drafter"] in {"ngram", "e3", "pe"}
     assert rec["command_at_lowest_concurrency"].startswith("vllm serve ")
     assert (tmp_path / "out" / B.PLOT_NAME).stat().st_size > 10_000
+    assert (tmp_path / "out" / "bench_serve_by_context.png").stat().st_size > 10_000
     text = B.format_report(report)
     assert "temperature 0.7" in text and "12/12" in text and "recommendation" in text
+    assert "by context (prompt + half the output" in text and "<2k: tau" in text
 
 
 def test_killed_bench_resumes_without_measuring_again(fake_engine, tmp_path):

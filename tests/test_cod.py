@@ -75,12 +75,22 @@ def _elements():
     return compact(cod_grid(am, 5, 0.75, 0.1, _gen(1)), 12)
 
 
-def test_peagle_dense_mask_equals_reference():
+@pytest.mark.parametrize("window", [None, 1, 3])
+def test_peagle_dense_mask_equals_reference(window):
     el = _elements()
-    dense = peagle_dense_mask(el.anchor, el.depth, el.real)
+    dense = peagle_dense_mask(el.anchor, el.depth, el.real, window)
     assert dense.shape[:2] == (2, 1)
     for i in range(2):
-        assert torch.equal(dense[i, 0], peagle_reference_mask(el.anchor[i], el.depth[i], el.real[i]))
+        ref = peagle_reference_mask(el.anchor[i], el.depth[i], el.real[i], window)
+        assert torch.equal(dense[i, 0], ref)
+    if window is None:
+        return
+    # a sliding window: (3, 2) at position 5 sees positions 5 - window + 1 .. 5 only
+    anchor = torch.tensor([0, 1, 2, 3, 3, 3])
+    depth = torch.tensor([0, 0, 0, 0, 1, 2])
+    ref = peagle_reference_mask(anchor, depth, torch.ones(6, dtype=torch.bool), window)
+    positions = (anchor + depth).tolist()
+    assert ref[5].tolist() == [5 - p < window for p in positions]
     # sanity of the rule on a hand-made chain: (3,2) sees (0..3, 0), (3,1), (3,2) only
     anchor = torch.tensor([0, 1, 2, 3, 3, 3, 2])
     depth = torch.tensor([0, 0, 0, 0, 1, 2, 1])
@@ -89,10 +99,11 @@ def test_peagle_dense_mask_equals_reference():
     assert ref[6].tolist() == [True, True, True, False, False, False, True]
 
 
-def test_peagle_mask_mod_equals_dense_mask():
+@pytest.mark.parametrize("window", [None, 3])
+def test_peagle_mask_mod_equals_dense_mask(window):
     from torch.nn.attention.flex_attention import create_mask
 
     el = _elements()
     b, n = el.anchor.shape
-    from_mod = create_mask(peagle_mask_mod(el.anchor, el.depth, el.real), b, 1, n, n, device="cpu")
-    assert torch.equal(from_mod, peagle_dense_mask(el.anchor, el.depth, el.real))
+    from_mod = create_mask(peagle_mask_mod(el.anchor, el.depth, el.real, window), b, 1, n, n, device="cpu")
+    assert torch.equal(from_mod, peagle_dense_mask(el.anchor, el.depth, el.real, window))

@@ -37,8 +37,13 @@ def _cfg(**kw):
 @pytest.mark.parametrize("multiple", [1, 64], ids=["unpadded", "elements-padded-to-64"])
 @pytest.mark.parametrize(
     "opts",
-    [dict(), dict(num_hidden_layers=2, fc_norm=True), dict(num_hidden_layers=3, norm_before_fc=True)],
-    ids=["1-layer", "2-layer-fc_norm", "3-layer-input_norm"],
+    [
+        dict(),
+        dict(num_hidden_layers=2, fc_norm=True),
+        dict(num_hidden_layers=3, norm_before_fc=True),
+        dict(num_hidden_layers=2, sliding_window=3),
+    ],
+    ids=["1-layer", "2-layer-fc_norm", "3-layer-input_norm", "2-layer-window-3"],
 )
 def test_train_serve_equality(opts, multiple):
     torch.manual_seed(0)
@@ -329,7 +334,7 @@ def test_flex_block_mask_gives_the_dense_mask_logits(b):
 def test_flex_attention_falls_back_to_torch_tiles_once_refused(monkeypatch, caplog):
     """A torch whose flex attention rejects eyas's tile sizes gets its own choice, with one
     warning, and is not asked again; CPU tensors never get tile sizes."""
-    from eyas.heads import layers
+    from eyas.heads import flex_attention as layers
 
     calls = []
 
@@ -353,7 +358,7 @@ def test_flex_attention_falls_back_to_torch_tiles_once_refused(monkeypatch, capl
 
 
 def test_flex_bucket_rounds_rows_and_elements_to_powers_of_two():
-    from eyas.heads.layers import FLEX_MIN_LENGTH, flex_bucket
+    from eyas.heads.flex_attention import FLEX_MIN_LENGTH, flex_bucket
 
     assert [flex_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
     assert [flex_bucket(n, FLEX_MIN_LENGTH) for n in (1, 100, 128, 129, 4000)] == [128, 128, 128, 256, 4096]
@@ -363,7 +368,7 @@ def test_peagle_batches_reach_flex_attention_in_few_shapes(monkeypatch):
     """Compiled flex attention is specialised per shape and runs eagerly (every score
     materialised) past dynamo's recompile limit: batches of every length must reach it in
     a handful of shapes, each a power of two, with the real rows' output unchanged."""
-    from eyas.heads import layers
+    from eyas.heads import flex_attention as layers
 
     shapes = set()
 

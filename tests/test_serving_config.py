@@ -222,7 +222,14 @@ def test_a_published_style_config_takes_vllms_defaults_with_the_same_notes(tmp_p
     for key in ("num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters"):
         layer.pop(key)
     layer.pop("max_position_embeddings")
-    layer["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
+    scaling = {
+        "factor": 8.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    }
+    layer["rope_scaling"] = scaling
     raw.pop("norm_before_residual")
     raw.pop("eagle_aux_hidden_state_layer_ids")
     raw["target_hidden_size"] = None
@@ -232,9 +239,6 @@ def test_a_published_style_config_takes_vllms_defaults_with_the_same_notes(tmp_p
     hd = read_head_dir(d, TargetFacts(8, HT, VT, "llama", ("LlamaForCausalLM",), "the verifier"))
     assert hd.problems == []
     assert hd.notes == [
-        "transformer_layer_config.rope_scaling 'llama3': eyas's head applies plain rope (theta 10000.0), so "
-        "its training and offline eval differ from vLLM's serving of this config at long positions; an "
-        "export from eyas writes plain rope",
         "transformer_layer_config.absent, the llama defaults vLLM applies: num_key_value_heads=4, "
         "head_dim=16, rms_norm_eps=1e-06, max_position_embeddings=2048, rope_theta=10000.0",
         "norm_before_residual absent: False, vLLM's EAGLE-3 default",
@@ -244,6 +248,7 @@ def test_a_published_style_config_takes_vllms_defaults_with_the_same_notes(tmp_p
     f = hd.fields
     assert (f["kv"], f["hd"], f["ht"], f["aux"], f["norm_before_residual"]) == (4, 16, HT, [2, 4, 5], False)
     assert (f["rms_norm_eps"], f["rope_theta"], f["max_position_embeddings"]) == (1e-6, 10000.0, 2048)
+    assert f["rope_scaling"] == scaling  # the head applies it (tests/test_rope_scaling.py)
 
 
 def test_a_speculators_config_needs_a_verifier():

@@ -30,10 +30,13 @@ def _cfg(**kw):
     return DraftHeadConfig(**base)
 
 
+@pytest.mark.parametrize("window", [None, 1, 2, 4])
 @pytest.mark.parametrize("t,k", [(1, 0), (4, 0), (5, 1), (6, 3)])
-def test_ttt_dense_mask_matches_reference(t, k):
-    dense = ttt_dense_mask(torch.ones(1, t), k)[0, 0]
-    assert torch.equal(dense, ttt_reference_mask(t, k))
+def test_ttt_dense_mask_matches_reference(t, k, window):
+    dense = ttt_dense_mask(torch.ones(1, t), k, window)[0, 0]
+    assert torch.equal(dense, ttt_reference_mask(t, k, window))
+    if window is not None:  # every query still sees its own key
+        assert dense[:, -t:].diagonal().all() if k else dense.diagonal().all()
 
 
 def test_ttt_dense_mask_hides_padding():
@@ -48,6 +51,8 @@ OPTIONS = [
     dict(fc_norm=True, norm_output=True),
     dict(norm_before_fc=True),
     dict(num_hidden_layers=2),
+    dict(sliding_window=3),
+    dict(sliding_window=2, num_hidden_layers=2),
 ]
 
 
@@ -73,7 +78,8 @@ def test_ttt_attention_equals_dense_reference_mask(opts, padding):
     hid = head.combine_aux(aux)
     pos = torch.arange(t)[None].expand(b, t)
     for k in range(steps):
-        lg, hid = head.forward_step(shift_left(ids, 1 + k, 0), hid, pos + k, cache, ttt_dense_mask(am, k))
+        dense = ttt_dense_mask(am, k, head.config.sliding_window)
+        lg, hid = head.forward_step(shift_left(ids, 1 + k, 0), hid, pos + k, cache, dense)
         real = am.bool()
         torch.testing.assert_close(fast[k][real], lg[real], rtol=1e-9, atol=1e-9)
 
@@ -118,14 +124,21 @@ def test_draft_leaves_only_step0_entries_in_cache():
     assert cache.length == 8 and ids2.shape == (1, 3)
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+@pytest.mark.parametrize("window", [None, 2, 4])
 @pytest.mark.parametrize("block", [2, 3, 64])
 @pytest.mark.parametrize("padding", ["right", "left"])
-def test_blocked_ttt_attention_equals_dense_mask(block, padding):
+def test_blocked_ttt_attention_equals_dense_mask(block, padding, window, recompute, monkeypatch):
     """Query blocks of any size (a ragged last one included) give the attention of SDPA
-    over the whole flattened key axis under the dense TTT mask, on real slots."""
+    over the whole flattened key axis under the dense TTT mask, on real slots; so do
+    blocks recomputed in the backward (long sequences), gradients included."""
     import torch.nn.functional as F
 
+    from eyas.heads import layers
     from eyas.heads.layers import LayerCache, _ttt_attention
+
+    if recompute:
+        monkeypatch.setattr(layers, "RECOMPUTE_FROM", 1)
 
     torch.manual_seed(2)
     b, h, hkv, t, d, k = 2, 4, 2, 7, 8, 3
@@ -142,10 +155,10 @@ def test_blocked_ttt_attention_equals_dense_mask(block, padding):
             torch.randn(b, hkv, t, d, dtype=torch.double, requires_grad=True),
         )
     leaves = [q, *cache.k, *cache.v]
-    got = _ttt_attention(q, cache, TTTMask(am, block), 0.3)
+    got = _ttt_attention(q, cache, TTTMask(am, block, window), 0.3)
     keys, values = torch.cat(cache.k, 2), torch.cat(cache.v, 2)
     want = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=ttt_dense_mask(am, k), scale=0.3, enable_gqa=True
+        q, keys, values, attn_mask=ttt_dense_mask(am, k, window), scale=0.3, enable_gqa=True
     )
     real = am.bool()[:, None, :, None].expand_as(got)
     torch.testing.assert_close(got[real], want[real])

@@ -82,6 +82,7 @@ def head_config_for(
         norm_output=h.norm_output,
         mask_token_id=mask_id,
         speculative_tokens=h.speculative_tokens,
+        sliding_window=h.sliding_window,
     )
 
 
@@ -228,6 +229,11 @@ def init_from_config(
             num_hidden_layers=h.num_layers if grows else imported.num_hidden_layers,
             mask_token_id=mask_id,
             speculative_tokens=h.speculative_tokens,
+            # a window changes which keys the layers read, not their shape: a head continued
+            # for long contexts may take one (or another)
+            sliding_window=h.sliding_window
+            if "sliding_window" in h.model_fields_set
+            else imported.sliding_window,
             target_num_layers=text.num_hidden_layers,
             target_model_type=text.model_type,
             target_architectures=list(

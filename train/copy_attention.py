@@ -70,6 +70,16 @@ def copy_attention_targets(
     return out
 
 
+def targets_within_window(targets: torch.Tensor, window: int | None) -> torch.Tensor:
+    """targets [steps, B, T] with the sources a sliding-window head cannot see set to -1:
+    step k's query at slot t (position t + k) sees step-0 slots j > t + k - window only."""
+    if window is None:
+        return targets
+    slots = torch.arange(targets.shape[-1], device=targets.device)
+    step = torch.arange(targets.shape[0], device=targets.device)[:, None, None]
+    return targets.masked_fill(slots + step - targets >= window, -1)
+
+
 @contextlib.contextmanager
 def recording_head0(head):
     """While active, every call of the head's first attention layer appends

@@ -12,7 +12,12 @@ train/peagle.py.
 
 from __future__ import annotations
 
-from eyas.train.copy_attention import copy_attention_loss, copy_attention_targets, recording_head0
+from eyas.train.copy_attention import (
+    copy_attention_loss,
+    copy_attention_targets,
+    recording_head0,
+    targets_within_window,
+)
 from eyas.train.fastpath import ttt_loss_valid_rows
 from eyas.train.step_stats import StepStats
 
@@ -29,6 +34,7 @@ def eagle3_loss(head, batch: dict, labels, train_cfg, generator=None) -> StepSta
     targets = copy_attention_targets(
         batch["input_ids"], labels.valid, batch["attention_mask"], steps=cfg.copy_attention_steps
     )
+    targets = targets_within_window(targets, head.config.sliding_window)
     copy = copy_attention_loss(records, targets, cfg.ttt_decay)
     stats.loss = stats.loss + cfg.copy_attention_weight * copy
     stats.extra_losses["copy_attention_loss"] = float(copy.detach())

@@ -115,6 +115,37 @@ def padded_rows(x: torch.Tensor, fill=None) -> torch.Tensor:
     return torch.cat([x, extra])
 
 
+# Rows from which a step's LM head and loss run in chunks recomputed in the backward: kept,
+# a step's [rows, Vd] logits and their gradient grow with the sample (2 GB at 32k tokens
+# and an 8k draft vocabulary), per TTT step.
+LOSS_CHUNK_ROWS = 8192
+
+
+def _rows_loss(lm_head, rows: torch.Tensor, probs: torch.Tensor, compile_mode: str):
+    return soft_cross_entropy_rows(lm_head(rows), probs, compile_mode)
+
+
+def _lm_head_loss(lm_head, rows: torch.Tensor, probs: torch.Tensor, compile_mode: str):
+    """(cross-entropy [N], argmax [N]) of the LM head over `rows` [N, H] against `probs`;
+    past `LOSS_CHUNK_ROWS` rows in checkpointed chunks, so memory stays at one chunk's."""
+    if rows.shape[0] <= LOSS_CHUNK_ROWS or not torch.is_grad_enabled():
+        return _rows_loss(lm_head, rows, probs, compile_mode)
+    from torch.utils.checkpoint import checkpoint
+
+    parts = [
+        checkpoint(
+            _rows_loss,
+            lm_head,
+            rows[i : i + LOSS_CHUNK_ROWS],
+            probs[i : i + LOSS_CHUNK_ROWS],
+            compile_mode,
+            use_reentrant=False,
+        )
+        for i in range(0, rows.shape[0], LOSS_CHUNK_ROWS)
+    ]
+    return torch.cat([ce for ce, _ in parts]), torch.cat([top for _, top in parts])
+
+
 def ttt_loss_valid_rows(
     head, batch: dict, labels: TargetLabels, steps: int, decay: float, compile_mode: str = "off"
 ) -> StepStats:
@@ -127,7 +158,7 @@ def ttt_loss_valid_rows(
     not once per step."""
     input_ids, am = batch["input_ids"], batch["attention_mask"]
     b, t = input_ids.shape
-    mask = TTTMask(am)
+    mask = TTTMask(am, window=head.config.sliding_window)
     cache = head.new_cache()
     positions = torch.arange(t, device=input_ids.device)[None].expand(b, t)
     hid = head.combine_aux(batch["aux"])
@@ -150,8 +181,9 @@ def ttt_loss_valid_rows(
         if count:
             # an absent one reads some other slot (of the previous sample, or slot 0): weight 0
             queries = (label_rows - (1 + k)).clamp(min=0)
-            logits = head.lm_head(normed.reshape(b * t, -1).index_select(0, queries))
-            ce, top = soft_cross_entropy_rows(logits, probs, compile_mode)
+            ce, top = _lm_head_loss(
+                head.lm_head, normed.reshape(b * t, -1).index_select(0, queries), probs, compile_mode
+            )
             loss_k = (ce * present).sum() / count
             hits = int(((top == label_argmax) & present).sum())
         else:

@@ -16,26 +16,35 @@ def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return causal[None, None] & real[:, None, None, :] & real[:, None, :, None]
 
 
-def ttt_reference_mask(t: int, k: int) -> torch.Tensor:
+def ttt_reference_mask(t: int, k: int, window: int | None = None) -> torch.Tensor:
     """The TTT rule for step k over the flattened key axis of length (k+1)·T, written
-    entry by entry: allow(q, j) = (j < T and j <= q) or (j >= T and j ≡ q mod T)."""
+    entry by entry: allow(q, j) = (j < T and j <= q) or (j >= T and j ≡ q mod T); with a
+    sliding window also: the query's position q + k minus the key's position (j for a
+    step-0 key, q + j // T for a diagonal one) is below the window."""
     mask = torch.zeros(t, (k + 1) * t, dtype=torch.bool)
     for q in range(t):
         for j in range((k + 1) * t):
             mask[q, j] = (j < t and j <= q) or (j >= t and j % t == q)
+            key_position = j if j < t else q + j // t
+            if window is not None and q + k - key_position >= window:
+                mask[q, j] = False
     return mask
 
 
-def ttt_dense_mask(attention_mask: torch.Tensor, k: int) -> torch.Tensor:
+def ttt_dense_mask(attention_mask: torch.Tensor, k: int, window: int | None = None) -> torch.Tensor:
     """[B, 1, T, (k+1)·T]: the TTT rule for step k with padding, as one dense mask over
     the step-0 keys followed by the keys of steps 1..k (for SDPA over concatenated keys)."""
     base = causal_padding_mask(attention_mask)
     t = attention_mask.shape[1]
+    if window is not None:
+        slots = torch.arange(t, device=attention_mask.device)
+        base = base & (slots[:, None] + k - slots[None, :] < window)[None, None]
     diag = (
         torch.eye(t, dtype=torch.bool, device=attention_mask.device)[None, None]
         & attention_mask.bool()[:, None, :, None]
     )
-    return torch.cat([base] + [diag] * k, dim=-1)
+    diagonals = [diag if window is None or k - j < window else diag & False for j in range(1, k + 1)]
+    return torch.cat([base, *diagonals], dim=-1)
 
 
 # --- P-EAGLE (DESIGN §4) ------------------------------------------------------------
@@ -44,16 +53,22 @@ def ttt_dense_mask(attention_mask: torch.Tensor, k: int) -> torch.Tensor:
 # the flex-attention block mask (CUDA); `peagle_reference_mask` restates it entry by entry.
 
 
-def peagle_allow(anchor_q, depth_q, real_q, anchor_k, depth_k, real_k, same):
+def peagle_allow(anchor_q, depth_q, real_q, anchor_k, depth_k, real_k, same, window: int | None = None):
     """The P-EAGLE attention rule on broadcastable tensors (True = q may attend to kv):
     both real and ((depth_k = 0 and anchor_k <= anchor_q) or (anchor_k = anchor_q and
-    depth_k <= depth_q)). A padding query sees only itself (`same`: q and kv are the same
-    element) so that no softmax row is empty; such rows never carry loss."""
+    depth_k <= depth_q)); with a sliding window also (anchor_q + depth_q) - (anchor_k +
+    depth_k) < window, positions being anchor + depth. A padding query sees only itself
+    (`same`: q and kv are the same element) so that no softmax row is empty; such rows
+    never carry loss."""
     rule = ((depth_k == 0) & (anchor_k <= anchor_q)) | ((anchor_k == anchor_q) & (depth_k <= depth_q))
+    if window is not None:
+        rule = rule & ((anchor_q + depth_q) - (anchor_k + depth_k) < window)
     return (real_q & real_k & rule) | (~real_q & same)
 
 
-def peagle_reference_mask(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+def peagle_reference_mask(
+    anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, window: int | None = None
+) -> torch.Tensor:
     """anchor / depth / real [L] of one sample -> [L, L] bool, written entry by entry."""
     n = anchor.shape[0]
     a, d, r = anchor.tolist(), depth.tolist(), real.bool().tolist()
@@ -64,10 +79,14 @@ def peagle_reference_mask(anchor: torch.Tensor, depth: torch.Tensor, real: torch
                 mask[q, k] = q == k
             elif r[k]:
                 mask[q, k] = (d[k] == 0 and a[k] <= a[q]) or (a[k] == a[q] and d[k] <= d[q])
+                if window is not None and (a[q] + d[q]) - (a[k] + d[k]) >= window:
+                    mask[q, k] = False
     return mask
 
 
-def peagle_dense_mask(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+def peagle_dense_mask(
+    anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, window: int | None = None
+) -> torch.Tensor:
     """anchor / depth / real [B, L] -> [B, 1, L, L] bool for SDPA."""
     n = anchor.shape[1]
     same = torch.eye(n, dtype=torch.bool, device=anchor.device)[None]
@@ -80,11 +99,12 @@ def peagle_dense_mask(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Ten
         depth[:, None, :],
         real[:, None, :],
         same,
+        window,
     )
     return allow[:, None]
 
 
-def peagle_mask_mod(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor):
+def peagle_mask_mod(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, window: int | None = None):
     """A flex-attention mask_mod (b, h, q_idx, kv_idx) -> bool for elements [B, L]."""
     real = real.bool()
 
@@ -97,23 +117,26 @@ def peagle_mask_mod(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tenso
             depth[b, kv_idx],
             real[b, kv_idx],
             q_idx == kv_idx,
+            window,
         )
 
     return mask_mod
 
 
-def peagle_block_mask(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor):
+def peagle_block_mask(
+    anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, window: int | None = None
+):
     """anchor / depth / real [B, L] -> a flex-attention BlockMask (built once per batch
     or segment; masked blocks are skipped on CUDA) over B and L rounded up to
     `flex_bucket`s, the added rows and elements padding (flex_block_attention pads q, k
     and v to match)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from eyas.heads.layers import FLEX_MIN_LENGTH, flex_bucket
+    from eyas.heads.flex_attention import FLEX_MIN_LENGTH, flex_bucket
 
     b, n = anchor.shape
     rows, length = flex_bucket(b), flex_bucket(n, FLEX_MIN_LENGTH)
     pad = (0, length - n, 0, rows - b)
     anchor, depth, real = (F.pad(x.long(), pad) for x in (anchor, depth, real))
-    mask_mod = peagle_mask_mod(anchor, depth, real)
+    mask_mod = peagle_mask_mod(anchor, depth, real, window)
     return create_block_mask(mask_mod, rows, None, length, length, device=anchor.device)

@@ -70,11 +70,12 @@ class PEagleElements:
     def positions(self) -> torch.Tensor:
         return self.anchor + self.depth
 
-    def attention_mask(self):
-        """The P-EAGLE rule as a flex BlockMask on CUDA, a dense [B, 1, L, L] elsewhere."""
+    def attention_mask(self, window: int | None = None):
+        """The P-EAGLE rule (with the head's sliding window) as a flex BlockMask on CUDA, a
+        dense [B, 1, L, L] elsewhere."""
         if self.anchor.is_cuda:
-            return peagle_block_mask(self.anchor, self.depth, self.real)
-        return peagle_dense_mask(self.anchor, self.depth, self.real)
+            return peagle_block_mask(self.anchor, self.depth, self.real, window)
+        return peagle_dense_mask(self.anchor, self.depth, self.real, window)
 
 
 def cod_grid(
@@ -143,7 +144,11 @@ def peagle_hidden(head: PEagleHead, elements: PEagleElements, input_ids, aux) ->
     P-EAGLE mask (before the final norm)."""
     tokens, hidden = element_inputs(head, elements, input_ids, aux)
     return head.forward_layers(
-        tokens, hidden, elements.positions, head.new_cache(), elements.attention_mask()
+        tokens,
+        hidden,
+        elements.positions,
+        head.new_cache(),
+        elements.attention_mask(head.config.sliding_window),
     )
 
 

@@ -26,7 +26,7 @@ def ttt_unroll(head: Eagle3Head, input_ids, attention_mask, aux, steps: int):
     at slot t (step 0: fc of the target's features at t).
     """
     b, t = input_ids.shape
-    mask = TTTMask(attention_mask)
+    mask = TTTMask(attention_mask, window=head.config.sliding_window)
     cache = head.new_cache()
     positions = torch.arange(t, device=input_ids.device)[None].expand(b, t)
     hid = head.combine_aux(aux)

@@ -40,6 +40,11 @@ OPERATIONAL_TRAIN_KEYS = frozenset(
 )
 
 
+# Keys added after runs were recorded, left out while unset: a checkpoint from before
+# them then still matches the recipe it was trained with.
+LATER_KEYS_OMITTED_WHEN_UNSET = frozenset({"head.sliding_window"})
+
+
 class RerunRefused(ValueError):
     """A rerun would mix two runs in one run dir (changed settings, or checkpoints of an
     earlier run under train.resume=false); the message says what to pass instead."""
@@ -65,6 +70,9 @@ def training_settings(recipe, data_digest: str | None) -> dict[str, Any]:
     for key in ("name_or_path", "revision"):
         out[f"target.{key}"] = tree["target"][key]
     out["prepared.digest"] = data_digest
+    for key in LATER_KEYS_OMITTED_WHEN_UNSET:
+        if out.get(key) is None:
+            out.pop(key, None)
     return json.loads(json.dumps(out))  # tuples -> lists, as they come back from state.json
 
 
