@@ -79,7 +79,7 @@ def build_report(s: BenchSettings, points: list[dict], offline: list[dict] | Non
                         entry["identical"] += same
                         entry["compared"] += len(plain["output_sha1"])
         speedup_by_t[f"{t:g}"] = table
-    check = sampled_decoding_check(points) if any(t > 0 for t in s.temperatures) else None
+    check = sampled_decoding_check(points, offline) if any(t > 0 for t in s.temperatures) else None
     untrusted = check is not None and check["passed"] is False
     for p in points:
         if untrusted and p["temperature"] > 0 and p["kind"] != "plain":

