@@ -4,7 +4,11 @@ bucket of its context, the prompt (earlier turns included) plus the tokens gener
 before that step; `eval.context_buckets` holds the bucket edges in tokens.
 
 The engine (bench-serve) reports acceptance per request, not per step: there a request
-falls in the bucket of its context halfway through its output (`request_context`).
+falls in the bucket of its context halfway through its output.
+
+This module holds the buckets, the split of traces, the table and the plot; the summaries sit
+beside the ones they extend: eval/report.py::summarize_by_context (offline draft steps) and
+eval/request_metrics.py::records_by_context (the engine's per-request records).
 """
 
 from __future__ import annotations
