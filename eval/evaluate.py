@@ -233,8 +233,9 @@ def compare_heads(specs: list[str]) -> dict[str, str]:
 
 
 def load_eval_head(head_dir: str, target):
-    """A head from an eyas checkpoint or an export directory, on the target's device;
-    checked against the target's config as `eyas export --check --target` checks it."""
+    """A head from an eyas checkpoint or an export directory, on the target's device and
+    in its dtype; checked against the target's config as `eyas export --check --target`
+    checks it."""
     from eyas.heads.head_dir import target_facts
     from eyas.heads.load_export import load_any_head
     from eyas.heads.validate import ExportValidationError
@@ -252,8 +253,10 @@ def load_eval_head(head_dir: str, target):
             f"head {head_dir} was built for vocab {cfg.vocab_size} / hidden "
             f"{cfg.target_hidden_size}, but the target has {target.vocab_size} / {target.hidden_size}"
         )
-    device = embed.device
-    return head.to(device=device, dtype=embed.dtype if device.type == "cuda" else None).eval()
+    # The head runs in the target's dtype, as vLLM runs a draft model in the engine's: a
+    # bf16 export evaluated beside a float32 target would otherwise round its drafts
+    # differently from the engine it predicts (DESIGN §6).
+    return head.to(device=embed.device, dtype=embed.dtype).eval()
 
 
 def _replayed(drafters: dict, decode_baseline: bool) -> set[str]:

@@ -80,3 +80,25 @@ def test_gpu_recipes_evaluate_with_room_for_reasoning_and_an_answer():
         # GPT-OSS writes its analysis channel before the final answer: 128 tokens covered only the first
         assert ev.max_new_tokens >= (4096 if "gpt-oss" in path.name else 2048), path.name
         assert ev.k == load_recipe(path).head.speculative_tokens, path.name
+
+
+def test_a_bf16_export_drafts_in_the_targets_dtype_as_the_engine_runs_it(tmp_path, tiny_llama_dir):
+    """vLLM runs a draft model in the engine's `--dtype`, whatever its weights were saved
+    in; eval does the same, so a bf16 export beside a float32 target drafts in float32 (a
+    bf16 head broke near ties otherwise than vLLM-CPU did: docs/benchmarks.md)."""
+    from train_run_fixtures import tiny_recipe
+
+    from eyas.eval.evaluate import load_eval_head
+    from eyas.heads.export import export_head
+    from eyas.target.load import load_target
+    from eyas.train.build import build_trainable_head, head_config_for
+
+    target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    torch.manual_seed(0)
+    cfg = head_config_for(tiny_recipe(tmp_path / "run", tiny_llama_dir), target.config)
+    head = build_trainable_head(cfg, target.model, torch.ones(target.vocab_size))
+    out = export_head(head, tmp_path / "export", dtype=torch.bfloat16, verifier=str(tiny_llama_dir))
+    for dtype in (torch.float32, torch.bfloat16):
+        target.model.to(dtype)
+        loaded = load_eval_head(str(out), target)
+        assert {p.dtype for p in loaded.parameters() if p.is_floating_point()} == {dtype}
