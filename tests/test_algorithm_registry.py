@@ -72,10 +72,10 @@ def test_an_unregistered_algorithm_is_refused_by_the_recipe(tmp_path):
 
 
 def test_a_registered_algorithm_trains_exports_and_loads(tmp_path, tiny_llama_dir, toy_registered):
-    from eyas.heads.export import export_checkpoint
-    from eyas.heads.hub import model_card
-    from eyas.heads.load_export import export_config, load_exported_head
-    from eyas.heads.validate import validate_export
+    from eyas.export.hub import model_card
+    from eyas.export.reader import export_config, load_exported_head
+    from eyas.export.validate import validate_export
+    from eyas.export.writer import export_checkpoint
     from eyas.recipe import RecipeError, recipe_from_dict
     from eyas.train.loop import train
 

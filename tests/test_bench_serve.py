@@ -256,7 +256,7 @@ def test_cli_benches_a_head_directory_with_the_targets_prompts(fake_engine, tiny
     from test_export_helpers import random_head
 
     from eyas.cli import main
-    from eyas.heads.export import export_head
+    from eyas.export.writer import export_head
 
     head_dir = export_head(
         random_head(algorithm="peagle", mask_token_id=3, num_hidden_layers=2), tmp_path / "pe"

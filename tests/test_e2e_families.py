@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from eyas.cli import main
+from eyas.export.reader import load_any_head
+from eyas.export.validate import validate_export
 from eyas.heads.algorithms import get_algorithm
 from eyas.heads.config import head_config_from_target
 from eyas.heads.io import save_head
-from eyas.heads.load_export import load_any_head
-from eyas.heads.validate import validate_export
 from eyas.recipe import TrainSection
 from eyas.target.features import compute_features, default_aux_layer_ids, target_norm_and_lm_head
 from eyas.target.load import load_target, text_config

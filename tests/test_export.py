@@ -7,11 +7,11 @@ import torch
 from safetensors.torch import load_file
 from test_export_helpers import random_head, step_logits
 
-from eyas.heads.export import export_checkpoint, export_head, serve_command
+from eyas.export.reader import detect_format, load_any_head, load_exported_head
+from eyas.export.validate import validate_export
+from eyas.export.writer import export_checkpoint, export_head, serve_command
 from eyas.heads.io import save_head
-from eyas.heads.load_export import detect_format, load_any_head, load_exported_head
 from eyas.heads.peagle import PEagleHead
-from eyas.heads.validate import validate_export
 
 VARIANTS = {
     "eagle3": {},

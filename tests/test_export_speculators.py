@@ -10,7 +10,7 @@ speculators_eagle3 = pytest.importorskip("speculators.models.eagle3")
 
 from test_export_helpers import random_head  # noqa: E402
 
-from eyas.heads.export import export_head  # noqa: E402
+from eyas.export.writer import export_head  # noqa: E402
 
 
 @pytest.fixture

@@ -13,10 +13,10 @@ from safetensors.torch import load_file, save_file
 from test_export_helpers import HT, VT, random_head, verifier_dir
 
 from eyas.cli import main
-from eyas.heads.export import ExportFormatError, export_head
-from eyas.heads.head_dir import TargetFacts
-from eyas.heads.load_export import load_exported_head
-from eyas.heads.validate import ExportValidationError, inspect_export, validate_export
+from eyas.export.head_dir import TargetFacts
+from eyas.export.reader import load_exported_head
+from eyas.export.validate import ExportValidationError, inspect_export, validate_export
+from eyas.export.writer import ExportFormatError, export_head
 
 EMBED = torch.zeros(VT, HT)
 
@@ -149,8 +149,8 @@ def files_hub(monkeypatch, tmp_path):
 
 
 def test_a_head_named_by_hub_id_is_downloaded_checked_and_imported(files_hub, tmp_path, capsys):
-    from eyas.heads.fetch import fetch_head
-    from eyas.heads.load_export import load_any_head
+    from eyas.export.fetch import fetch_head
+    from eyas.export.reader import load_any_head
 
     src = random_head(draft_vocab_size=100)
     d = export_head(src, tmp_path / "h")
@@ -194,7 +194,7 @@ def test_check_reads_the_verifier_config_from_the_hub_and_names_a_disagreement(f
 
 
 def test_a_pickle_only_hub_repo_is_refused_by_name(files_hub, tmp_path):
-    from eyas.heads.fetch import fetch_head
+    from eyas.export.fetch import fetch_head
 
     d = export_head(random_head(draft_vocab_size=100), tmp_path / "h")
     torch.save(load_file(str(d / "model.safetensors")), d / "pytorch_model.bin")

@@ -12,7 +12,7 @@ from train_run_fixtures import prepare_run
 @pytest.fixture(scope="module")
 def exported_head(tmp_path_factory, tiny_llama_dir):
     """A tiny EAGLE-3 head trained 4 steps and exported (bf16, speculators layout)."""
-    from eyas.heads.export import export_checkpoint
+    from eyas.export.writer import export_checkpoint
     from eyas.train.loop import train
 
     tmp = tmp_path_factory.mktemp("source")
@@ -28,7 +28,7 @@ def _target(tiny_llama_dir):
 
 
 def _source(exported_head, target):
-    from eyas.heads.load_export import load_any_head
+    from eyas.export.reader import load_any_head
 
     return load_any_head(
         exported_head, target_embed=target.model.get_input_embeddings().weight.detach(), dtype=torch.float32
@@ -171,8 +171,8 @@ def test_eval_compare_reports_both_heads_on_the_same_prompts(tmp_path, tiny_llam
     import json
 
     from eyas.cli import main
-    from eyas.heads.export import export_head
-    from eyas.heads.load_export import load_any_head
+    from eyas.export.reader import load_any_head
+    from eyas.export.writer import export_head
 
     target = _target(tiny_llama_dir)
     other = load_any_head(exported_head, target_embed=target.model.get_input_embeddings().weight.detach())

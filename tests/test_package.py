@@ -36,7 +36,7 @@ def test_no_stage_prints_help_and_fails(capsys):
 
 
 def test_import_from_any_directory(tmp_path):
-    code = "import eyas.heads, eyas.data, eyas.train, eyas.eval, eyas.recipe; print('ok')"
+    code = "import eyas.heads, eyas.export, eyas.data, eyas.train, eyas.eval, eyas.recipe; print('ok')"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
     )
@@ -65,16 +65,21 @@ ABOVE = ("eyas.recipe", "eyas.cli", "eyas.commands")
 @pytest.mark.parametrize(
     "folder,forbidden",
     [
-        ("core", ("eyas.target", "eyas.data", "eyas.heads", "eyas.train", "eyas.eval", *ABOVE)),
-        ("target", ("eyas.data", "eyas.heads", "eyas.train", "eyas.eval", *ABOVE)),
-        ("heads", ("eyas.data", "eyas.train", "eyas.eval", *ABOVE)),
-        ("data", ("eyas.heads", "eyas.train", "eyas.eval", *ABOVE)),
+        (
+            "core",
+            ("eyas.target", "eyas.data", "eyas.heads", "eyas.export", "eyas.train", "eyas.eval", *ABOVE),
+        ),
+        ("target", ("eyas.data", "eyas.heads", "eyas.export", "eyas.train", "eyas.eval", *ABOVE)),
+        # The models import no file format: export/ reads and writes them, never the reverse.
+        ("heads", ("eyas.export", "eyas.data", "eyas.train", "eyas.eval", *ABOVE)),
+        ("export", ("eyas.data", "eyas.train", "eyas.eval", *ABOVE)),
+        ("data", ("eyas.heads", "eyas.export", "eyas.train", "eyas.eval", *ABOVE)),
         ("train", ("eyas.eval", *ABOVE)),
         ("eval", ("eyas.train", *ABOVE)),
     ],
 )
 def test_import_direction(folder, forbidden):
-    """Data flows data -> train -> heads (export) -> eval; only eyas.cli wires every stage;
+    """Data flows data -> train -> heads -> export -> eval; only eyas.cli wires every stage;
     the frozen target (eyas.target) and the shared helpers (eyas.core) import no stage; a
     stage reads its settings from the recipe it is handed, never imports the recipe module
     (a run's file names are eyas.core.run_paths)."""
@@ -97,6 +102,7 @@ PACKAGES = {
     "target": "eyas.target",
     "data": "eyas.data",
     "heads": "eyas.heads",
+    "export": "eyas.export",
     "train": "eyas.train",
     "eval": "eyas.eval",
 }

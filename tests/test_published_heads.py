@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import save_file
 
 from eyas.cli import main
-from eyas.heads.export import export_head
-from eyas.heads.head_dir import TargetFacts
-from eyas.heads.load_export import load_exported_head
-from eyas.heads.validate import validate_export
+from eyas.export.head_dir import TargetFacts
+from eyas.export.reader import load_exported_head
+from eyas.export.validate import validate_export
+from eyas.export.writer import export_head
 
 FIXTURES = Path(__file__).parent / "fixtures" / "published_heads"
 PUBLISHED = sorted(p.parent.name for p in FIXTURES.glob("*/config.json"))
@@ -182,7 +182,7 @@ def test_published_head_imports_and_check_agrees(tmp_path, name, capsys):
 @pytest.mark.skipif(not PUBLISHED, reason="no published fixtures")
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_published_head_against_a_wrong_verifier_is_refused_by_both(tmp_path, name):
-    from eyas.heads.validate import ExportValidationError
+    from eyas.export.validate import ExportValidationError
 
     d, _ = _write(tmp_path, name)
     wrong = TargetFacts(

@@ -11,8 +11,8 @@ import pytest
 from test_export_helpers import random_head
 
 from eyas.cli import main
-from eyas.heads.export import export_head
-from eyas.heads.hub import PushError, is_transient, model_card, plan_push, push_head, with_retries
+from eyas.export.hub import PushError, is_transient, model_card, plan_push, push_head, with_retries
+from eyas.export.writer import export_head
 
 TOKEN = "hf_eyasTESTtoken0123456789abcdef"
 
@@ -265,7 +265,7 @@ def test_card_names_local_data_by_file_name_and_missing_metrics_as_na(exported):
 def test_recipe_hub_id_is_the_verifier_of_a_head_trained_from_a_local_dir(tmp_path, tiny_llama_dir):
     from train_run_fixtures import prepare_run
 
-    from eyas.heads.load_export import export_config
+    from eyas.export.reader import export_config
 
     recipe = prepare_run(tmp_path, tiny_llama_dir, "online", n=8, max_steps=1)
     run = str(recipe.run_dir)

@@ -110,9 +110,9 @@ def test_a_scaling_the_head_cannot_apply_is_refused_naming_the_key(scaling, word
 def test_a_scaled_target_gives_its_scaling_to_the_head_and_the_export(tmp_path):
     from transformers import LlamaConfig
 
+    from eyas.export.reader import load_exported_head
+    from eyas.export.writer import export_head
     from eyas.heads.algorithms import build_head
-    from eyas.heads.export import export_head
-    from eyas.heads.load_export import load_exported_head
 
     target = LlamaConfig(
         hidden_size=64,
@@ -151,7 +151,7 @@ def test_a_published_head_with_llama3_scaling_keeps_it_through_training_and_expo
     from test_published_heads import producer_tensors, scaled_config
     from train_run_fixtures import prepare_run
 
-    from eyas.heads.export import export_checkpoint
+    from eyas.export.writer import export_checkpoint
     from eyas.heads.io import load_head
     from eyas.recipe import recipe_from_dict
     from eyas.train.loop import train

@@ -1,4 +1,4 @@
-"""The serving config's one schema (`heads/serving_config.py`, DESIGN §5): exports stay
+"""The serving config's one schema (`export/serving_config.py`, DESIGN §5): exports stay
 byte-identical to the golden files written by the exporter before the schema existed,
 import → export round-trips, and a config vLLM could not read is refused naming the field.
 
@@ -18,11 +18,11 @@ import pytest
 import torch
 from test_export_helpers import HT, VT, random_head
 
-from eyas.heads.export import export_head
-from eyas.heads.head_dir import TargetFacts, read_head_dir
-from eyas.heads.load_export import export_config
-from eyas.heads.serving_build import build_eagle, build_speculators
-from eyas.heads.serving_config import parse_serving_config
+from eyas.export.head_dir import TargetFacts, read_head_dir
+from eyas.export.reader import export_config
+from eyas.export.serving_build import build_eagle, build_speculators
+from eyas.export.serving_config import parse_serving_config
+from eyas.export.writer import export_head
 
 GOLDEN = Path(__file__).parent / "fixtures" / "exports"
 WEIGHTS_SHA = "weights.json"

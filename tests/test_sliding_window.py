@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
+from eyas.export.head_dir import TargetFacts, read_head_dir
+from eyas.export.reader import load_exported_head
+from eyas.export.writer import export_head
 from eyas.heads.algorithms import build_head
 from eyas.heads.config import DraftHeadConfig
-from eyas.heads.export import export_head
-from eyas.heads.head_dir import TargetFacts, read_head_dir
-from eyas.heads.load_export import load_exported_head
 
 FACTS = TargetFacts(8, 64, 320, "llama", ("LlamaForCausalLM",), "the verifier")
 

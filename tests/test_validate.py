@@ -8,9 +8,9 @@ from safetensors.torch import load_file, save_file
 from test_export_helpers import random_head, verifier_dir
 
 from eyas.cli import main
-from eyas.heads.export import export_head
-from eyas.heads.load_export import load_exported_head
-from eyas.heads.validate import ExportValidationError, check_export, validate_export
+from eyas.export.reader import load_exported_head
+from eyas.export.validate import ExportValidationError, check_export, validate_export
+from eyas.export.writer import export_head
 
 
 def _export(tmp_path, **overrides):

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
+from eyas.export.head_dir import HeadDir, TargetFacts, _is_int, read_head_dir
+from eyas.export.head_weights import canonical_tensors, read_tensors
+from eyas.export.writer import ExportFormatError
 from eyas.heads.algorithms import algorithm_names, get_algorithm
-from eyas.heads.export import ExportFormatError
-from eyas.heads.head_dir import HeadDir, TargetFacts, _is_int, read_head_dir
-from eyas.heads.head_weights import canonical_tensors, read_tensors
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

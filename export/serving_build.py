@@ -1,15 +1,13 @@
 """The serving config.json built from a `DraftHeadConfig` (DESIGN §5): the speculators
 layout and the original EAGLE-3 layout, as models of the schema in
-heads/serving_config.py, whose field order is the order config.json is written in.
+export/serving_config.py, whose field order is the order config.json is written in.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from eyas.heads.algorithms import get_algorithm
-from eyas.heads.config import DraftHeadConfig
-from eyas.heads.serving_config import (
+from eyas.export.serving_config import (
     EAGLE_ARCHITECTURE,
     SPECULATORS_VERSION,
     EagleBlock,
@@ -24,6 +22,8 @@ from eyas.heads.serving_config import (
     TransformerLayerConfig,
     Verifier,
 )
+from eyas.heads.algorithms import get_algorithm
+from eyas.heads.config import DraftHeadConfig
 
 
 def build_layer(cfg: DraftHeadConfig) -> TransformerLayerConfig:

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from eyas.core.hub_ids import looks_like_hub_id
 from eyas.core.run_paths import RunPaths
+from eyas.export.head_dir import detect_format
+from eyas.export.reader import export_config
+from eyas.export.writer import CONFIG_NAME, WEIGHTS_NAME, serve_command
 from eyas.heads.algorithms import get_algorithm
-from eyas.heads.export import CONFIG_NAME, WEIGHTS_NAME, serve_command
-from eyas.heads.head_dir import detect_format
-from eyas.heads.load_export import export_config
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Read head directories back: the speculators and original EAGLE-3 layouts that
-`heads/export.py` writes (and published heads in them), and eyas checkpoints, into an
+`export/writer.py` writes (and published heads in them), and eyas checkpoints, into an
 `Eagle3Head` / `PEagleHead`. Export after import reproduces the tensors bit for bit.
 """
 
@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch
 
+from eyas.export.head_dir import TargetFacts, detect_format, read_head_dir
+from eyas.export.head_weights import canonical_tensors
+from eyas.export.validate import ExportValidationError, inspect_export
+from eyas.export.writer import ExportFormatError
 from eyas.heads.algorithms import build_head
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
-from eyas.heads.export import ExportFormatError
-from eyas.heads.head_dir import TargetFacts, detect_format, read_head_dir
-from eyas.heads.head_weights import canonical_tensors
 from eyas.heads.io import load_head
-from eyas.heads.validate import ExportValidationError, inspect_export
 
 log = logging.getLogger(__name__)
 

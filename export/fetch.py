@@ -3,7 +3,7 @@
 
 Only the files a head is read from are downloaded: configs and safetensors weights. A
 repo that ships its weights only as a pickle is refused by name (and how to convert it),
-as a local pickle-only directory is (`heads/head_weights.py`).
+as a local pickle-only directory is (`export/head_weights.py`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eyas.core.hub_ids import looks_like_hub_id
-from eyas.heads.export import ExportFormatError
+from eyas.export.writer import ExportFormatError
 
 HEAD_PATTERNS = ["*.json", "*.safetensors"]
 
@@ -70,7 +70,7 @@ def fetch_verifier_facts(name_or_path: str):
     """(TargetFacts, None) for the verifier a head names, read from a local directory, the
     Hugging Face cache or the Hub (its config.json alone); (None, why) when it cannot be
     read, so `eyas export --check` can say the check was not made instead of passing."""
-    from eyas.heads.head_dir import cached_target_facts, target_facts
+    from eyas.export.head_dir import cached_target_facts, target_facts
     from eyas.target.load import SMOLLM2_HUB_ID, eyas_cache_dir
 
     facts = cached_target_facts(name_or_path)

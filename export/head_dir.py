@@ -1,5 +1,5 @@
 """What a head directory holds, read once for everyone (DESIGN §5.1): `eyas export
---check`, `eyas push`, import (`heads/load_export.py`) and `train.init_from` all go
+--check`, `eyas push`, import (`export/reader.py`) and `train.init_from` all go
 through `read_head_dir`, so a head one of them accepts the others accept too.
 
 Layouts: eyas checkpoints (`head_config.json`), the speculators layout (EAGLE-3 and
@@ -18,11 +18,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eyas.core.problems import given
-from eyas.heads.algorithms import eagle_layout_algorithm, find_algorithm
-from eyas.heads.attention_config import read_attention
-from eyas.heads.export import CONFIG_NAME, ExportFormatError
-from eyas.heads.io import CONFIG_NAME as EYAS_CONFIG
-from eyas.heads.serving_config import (
+from eyas.export.attention_config import read_attention
+from eyas.export.serving_config import (
     LLAMA_DEFAULTS,  # noqa: F401  (re-exported: the defaults a reading applies)
     EagleBlock,
     EyasBlock,
@@ -32,6 +29,9 @@ from eyas.heads.serving_config import (
     layer_shape,
     parse_serving_config,
 )
+from eyas.export.writer import CONFIG_NAME, ExportFormatError
+from eyas.heads.algorithms import eagle_layout_algorithm, find_algorithm
+from eyas.heads.io import CONFIG_NAME as EYAS_CONFIG
 
 Layout = Literal["eyas", "speculators", "eagle"]
 
@@ -148,7 +148,7 @@ def vllm_default_aux_ids(num_layers: int) -> list[int]:
 
 
 # --- the config ------------------------------------------------------------------------
-# Field presence and types are the schema's (heads/serving_config.py); what follows checks
+# Field presence and types are the schema's (export/serving_config.py); what follows checks
 # the fields against each other and against the verifier, and applies vLLM's defaults.
 
 

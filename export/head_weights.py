@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eyas.heads.export import WEIGHTS_NAME, ExportFormatError
-from eyas.heads.head_dir import read_config
+from eyas.export.head_dir import read_config
+from eyas.export.writer import WEIGHTS_NAME, ExportFormatError
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")

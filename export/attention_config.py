@@ -4,8 +4,8 @@ when eyas's head cannot apply it, as every reader of a head directory does."""
 
 from __future__ import annotations
 
+from eyas.export.serving_config import LayerShape, TransformerLayerConfig
 from eyas.heads.rope import RopeScalingError, rope_frequencies, scaling_from_parameters
-from eyas.heads.serving_config import LayerShape, TransformerLayerConfig
 
 
 def read_attention(

@@ -1,4 +1,4 @@
-"""Write a head in the layouts vLLM serves (DESIGN §5); `heads/load_export.py` reads
+"""Write a head in the layouts vLLM serves (DESIGN §5); `export/reader.py` reads
 such directories (and published heads) back.
 
 Two layouts:
@@ -9,7 +9,7 @@ Two layouts:
   `architectures: ["LlamaForCausalLMEagle3"]` + model.safetensors; a one-layer head names
   its layer `midlayer.*` (vLLM maps it to `layers.0.*`).
 
-The config's schema (both layouts) is `heads/serving_config.py`. Besides what vLLM reads,
+The config's schema (both layouts) is `export/serving_config.py`. Besides what vLLM reads,
 config.json carries an `eyas` block (target layer count, family, whether the embedding
 ships) so the validator can check aux ids against the target and an import rebuilds the
 exact `DraftHeadConfig`; vLLM ignores unknown top-level keys.
@@ -24,14 +24,14 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file, save_file
 
+from eyas.export.serving_build import build_eagle, build_layer, build_speculators
+from eyas.export.serving_config import speculative_config, vllm_serve_command
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.io import CONFIG_NAME as EYAS_CONFIG
 from eyas.heads.io import WEIGHTS_NAME as EYAS_WEIGHTS
 from eyas.heads.io import head_state_dict
 from eyas.heads.peagle import with_mask_row
-from eyas.heads.serving_build import build_eagle, build_layer, build_speculators
-from eyas.heads.serving_config import speculative_config, vllm_serve_command
 
 ExportFormat = Literal["speculators", "eagle"]
 CONFIG_NAME = "config.json"
@@ -44,7 +44,7 @@ class ExportFormatError(ValueError):
 
 
 # --- config ---------------------------------------------------------------------------
-# The schema lives in heads/serving_config.py, its builders in heads/serving_build.py
+# The schema lives in export/serving_config.py, its builders in export/serving_build.py
 # (DESIGN §5); these dicts are what config.json holds.
 
 

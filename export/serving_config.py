@@ -2,14 +2,14 @@
 P-EAGLE), the original EAGLE-3 layout (a flat llama config) and the transformer layer
 config both nest.
 
-Export builds these models from a `DraftHeadConfig` (heads/serving_build.py) and dumps
+Export builds these models from a `DraftHeadConfig` (export/serving_build.py) and dumps
 them: a model's field order is the order config.json is written in, and a field that is
 left out when off or unset says so with `exclude_if` (tests/fixtures/exports pins the
 bytes). Import validates a raw config.json with the same models; every validation error
 becomes a problem naming its field path, and the fields that did validate are still read,
 so a reader reports every problem (core/problems.py). What a value means against the
 verifier or against other fields (aux ids vs layers, mask id vs vocabulary, ...) is
-checked by the reader, `heads/head_dir.py`.
+checked by the reader, `export/head_dir.py`.
 """
 
 from __future__ import annotations
