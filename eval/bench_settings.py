@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eyas.export.serving_config import speculative_config
+from eyas.export.vllm_command import speculative_config
 
 
 class BenchError(RuntimeError):

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from eyas.core.acceptance import expected_tokens_per_step
 from eyas.eval.sizes import Hardware, HeadSize, TargetSize
 from eyas.eval.vram import format_vram_tax, vram_tax
-from eyas.export.serving_config import speculative_config as heads_speculative_config
+from eyas.export.vllm_command import speculative_config as heads_speculative_config
 from eyas.heads.algorithms import get_algorithm
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

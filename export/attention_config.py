@@ -4,7 +4,8 @@ when eyas's head cannot apply it, as every reader of a head directory does."""
 
 from __future__ import annotations
 
-from eyas.export.serving_config import LayerShape, TransformerLayerConfig
+from eyas.export.layer_shape import LayerShape
+from eyas.export.serving_config import TransformerLayerConfig
 from eyas.heads.rope import RopeScalingError, rope_frequencies, scaling_from_parameters
 
 

@@ -19,14 +19,13 @@ from typing import Any, Literal
 
 from eyas.core.problems import given
 from eyas.export.attention_config import read_attention
+from eyas.export.layer_shape import layer_shape
 from eyas.export.serving_config import (
-    LLAMA_DEFAULTS,  # noqa: F401  (re-exported: the defaults a reading applies)
     EagleBlock,
     EyasBlock,
     EyasEagleBlock,
     SpeculatorsBlock,
     SpeculatorsServingConfig,
-    layer_shape,
     parse_serving_config,
 )
 from eyas.export.writer import CONFIG_NAME, ExportFormatError

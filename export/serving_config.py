@@ -14,8 +14,6 @@ checked by the reader, `export/head_dir.py`.
 
 from __future__ import annotations
 
-import json
-import shlex
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -30,8 +28,8 @@ from pydantic import (
     StrictStr,
 )
 
-from eyas.core.problems import given, validate_listing_problems
-from eyas.heads.algorithms import algorithm_names, get_algorithm
+from eyas.core.problems import validate_listing_problems
+from eyas.heads.algorithms import algorithm_names
 
 
 def _registered(name: str) -> str:
@@ -45,8 +43,6 @@ AlgorithmName = Annotated[StrictStr, AfterValidator(_registered)]
 SPECULATORS_VERSION = "0.3.0"
 EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle3"
 # HF LlamaConfig's defaults, which vLLM applies to a head config that leaves them out.
-LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "rope_theta": 10000.0}
-
 Number = StrictInt | StrictFloat  # an int stays an int, so a note quotes the value as written
 
 
@@ -275,74 +271,3 @@ def parse_serving_config(raw: dict, fmt: Literal["speculators", "eagle"]) -> Par
     problems = layer_problems + [p for p in head_problems if p not in layer_problems]
     config = EagleServingConfig.model_construct(layer=layer, head=head)
     return ParsedConfig(config, problems, layer_invalid | head_invalid)
-
-
-# --- the llama defaults vLLM applies ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LayerShape:
-    """The layer's values with vLLM's defaults applied (None where unknown)."""
-
-    num_key_value_heads: int | None
-    head_dim: int | None
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-
-
-def layer_shape(
-    layer: TransformerLayerConfig, where: str, invalid: set[str] | frozenset = frozenset()
-) -> tuple[LayerShape, list[str]]:
-    """The layer with the llama defaults vLLM applies, and a note for each default taken;
-    a value the schema refused (`invalid`, paths as `ParsedConfig` has them) stays unknown."""
-    notes, defaulted = [], []
-    h, heads = layer.hidden_size, layer.num_attention_heads
-    kv, hd = layer.num_key_value_heads, layer.head_dim
-    refused = {key for key in ("num_key_value_heads", "head_dim") if f"{where}{key}" in invalid}
-    if kv is None and heads is not None and "num_key_value_heads" not in refused:
-        kv = heads
-        defaulted.append(f"num_key_value_heads={heads}")
-    if hd is None and h is not None and heads and "head_dim" not in refused:
-        hd = h // heads
-        defaulted.append(f"head_dim={hd}")
-    params = layer.rope_parameters
-    written = {
-        "rms_norm_eps": layer.rms_norm_eps,
-        "max_position_embeddings": layer.max_position_embeddings,
-        # a rope_theta key in rope_parameters wins, even null (as HF reads it)
-        "rope_theta": params.rope_theta if given(params, "rope_theta") else layer.rope_theta,
-    }
-    values = {}
-    for key, default in LLAMA_DEFAULTS.items():
-        values[key] = written[key]
-        if values[key] is None:
-            values[key] = default
-            defaulted.append(f"{key}={default}")
-    if defaulted:
-        notes.append(
-            f"{where or 'config.json: '}absent, the llama defaults vLLM applies: {', '.join(defaulted)}"
-        )
-    shape = LayerShape(
-        kv, hd, values["rms_norm_eps"], float(values["rope_theta"]), values["max_position_embeddings"]
-    )
-    return shape, notes
-
-
-# --- serving: the engine's command line ------------------------------------------------
-
-
-def speculative_config(algorithm: str, model: str, k: int) -> dict:
-    """vLLM's `--speculative-config` for a head of `algorithm` in `model` drafting K tokens:
-    vLLM reads every EAGLE-3-shaped head with method "eagle3"; a parallel-drafting one
-    also says so (DESIGN §5)."""
-    spec = {"method": "eagle3", "model": str(model), "num_speculative_tokens": k}
-    if get_algorithm(algorithm).parallel_drafting:
-        spec["parallel_drafting"] = True
-    return spec
-
-
-def vllm_serve_command(target: str, spec: dict | None) -> str:
-    """The `vllm serve` line for `target` with `spec` as its speculative config (None: plain)."""
-    line = f"vllm serve {shlex.quote(target)}"
-    return line + (f" --speculative-config {shlex.quote(json.dumps(spec))}" if spec else "")

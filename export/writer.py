@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.export.serving_build import build_eagle, build_layer, build_speculators
-from eyas.export.serving_config import speculative_config, vllm_serve_command
+from eyas.export.vllm_command import speculative_config, vllm_serve_command
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.io import CONFIG_NAME as EYAS_CONFIG
