@@ -4,7 +4,7 @@ config both nest.
 
 Export builds these models from a `DraftHeadConfig` (export/serving_build.py) and dumps
 them: a model's field order is the order config.json is written in, and a field that is
-left out when off or unset says so with `exclude_if` (tests/fixtures/exports pins the
+left out when off or unset says so with `exclude_if` (tests/support/fixtures/exports pins the
 bytes). Import validates a raw config.json with the same models; every validation error
 becomes a problem naming its field path, and the fields that did validate are still read,
 so a reader reports every problem (core/problems.py). What a value means against the
