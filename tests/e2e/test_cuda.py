@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 import yaml
+from support.tiny_heads import small_head_config
 
 from eyas.cli import main
-from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.peagle import PEagleHead
 from eyas.train.masks import peagle_block_mask, peagle_dense_mask
@@ -27,21 +27,8 @@ V, AUX = 300, 3 * 48
 
 def _cfg(**kw):
     # head_dim 64: the flex path then runs with eyas's kernel options (flex_kernel_options)
-    base = dict(
-        hidden_size=64,
-        target_hidden_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=128,
-        vocab_size=V,
-        draft_vocab_size=V,
-        aux_layer_ids=[1, 2, 3],
-        target_num_layers=4,
-        rms_norm_eps=1e-6,
-    )
-    base.update(kw)
-    return DraftHeadConfig(**base)
+    wider = dict(hidden_size=64, target_hidden_size=48, head_dim=64, intermediate_size=128)
+    return small_head_config(**wider, vocab_size=V, draft_vocab_size=V, **kw)
 
 
 def _grads(module) -> dict:

@@ -247,7 +247,7 @@ def test_advice_picks_best_k_and_the_switch_off_concurrency():
 
 
 def test_cli_benches_a_head_directory_with_the_targets_prompts(fake_engine, tiny_llama_dir, tmp_path, capsys):
-    from support.random_heads import random_head
+    from support.tiny_heads import random_head
 
     from eyas.cli import main
     from eyas.export.writer import export_head

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.random_heads import random_head, step_logits
+from support.tiny_heads import random_head, step_logits
 
 from eyas.export.reader import detect_format, load_any_head, load_exported_head
 from eyas.export.validate import validate_export

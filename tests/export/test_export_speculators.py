@@ -8,7 +8,7 @@ import torch
 
 speculators_eagle3 = pytest.importorskip("speculators.models.eagle3")
 
-from support.random_heads import random_head  # noqa: E402
+from support.tiny_heads import random_head  # noqa: E402
 
 from eyas.export.writer import export_head  # noqa: E402
 

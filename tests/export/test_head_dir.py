@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from support.fake_hub_files import FakeHubFiles
-from support.random_heads import HT, VT, random_head, verifier_dir
+from support.tiny_heads import HT, VT, random_head, verifier_dir
 
 from eyas.cli import main
 from eyas.export.head_dir import TargetFacts

@@ -121,7 +121,7 @@ def test_published_head_against_a_wrong_verifier_is_refused_by_both(tmp_path, na
 def test_amazon_peagle_tensor_layout_imports(tmp_path):
     """amazon's P-EAGLE checkpoints (as the Neuron examples that load them read them):
     layer 0 as `midlayer.*` beside `layers.1..3.*`, `mask_hidden` [1, 1, n·Ht], `d2t` alone."""
-    from support.random_heads import random_head
+    from support.tiny_heads import random_head
 
     src = random_head(algorithm="peagle", draft_vocab_size=100, mask_token_id=3, num_hidden_layers=4)
     d = export_head(src, tmp_path / "h")

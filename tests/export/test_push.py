@@ -8,7 +8,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from support.random_heads import random_head
+from support.tiny_heads import random_head
 
 from eyas.cli import main
 from eyas.export.hub import PushError, is_transient, model_card, plan_push, push_head, with_retries

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.random_heads import HT, VT, random_head
+from support.tiny_heads import HT, VT, random_head
 
 from eyas.export.head_dir import TargetFacts, read_head_dir
 from eyas.export.reader import export_config

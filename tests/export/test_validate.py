@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support.random_heads import random_head, verifier_dir
+from support.tiny_heads import random_head, verifier_dir
 
 from eyas.cli import main
 from eyas.export.reader import load_exported_head

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from support.tiny_heads import tiny_head_config
 
 from eyas.heads.config import DraftHeadConfig, head_config_from_target
 from eyas.heads.layers import Attention, LayerCache
@@ -33,21 +34,7 @@ LINEAR = {"rope_type": "linear", "factor": 2.0}
 
 
 def _head_config(scaling: dict | None, theta: float = 10000.0) -> DraftHeadConfig:
-    return DraftHeadConfig(
-        hidden_size=64,
-        target_hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=512,
-        vocab_size=320,
-        draft_vocab_size=320,
-        aux_layer_ids=[1, 2, 3],
-        target_num_layers=8,
-    )
+    return tiny_head_config(rope_theta=theta, rope_scaling=scaling, max_position_embeddings=512)
 
 
 def _reference_attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor, scaling, theta):

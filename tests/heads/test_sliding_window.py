@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from support.tiny_heads import tiny_head_config
 
 from eyas.export.head_dir import TargetFacts, read_head_dir
 from eyas.export.reader import load_exported_head
@@ -21,20 +22,7 @@ FACTS = TargetFacts(8, 64, 320, "llama", ("LlamaForCausalLM",), "the verifier")
 
 
 def _cfg(**kw) -> DraftHeadConfig:
-    base = dict(
-        hidden_size=64,
-        target_hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=320,
-        draft_vocab_size=320,
-        aux_layer_ids=[1, 4, 5],
-        target_num_layers=8,
-        verifier_name_or_path="org/target",
-    )
-    return DraftHeadConfig(**{**base, **kw})
+    return tiny_head_config(aux_layer_ids=[1, 4, 5], verifier_name_or_path="org/target", **kw)
 
 
 def test_a_window_changes_the_head_only_past_it():

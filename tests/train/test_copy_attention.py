@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from support.tiny_heads import small_head_config
 
-from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.layers import TTTMask
 from eyas.train.copy_attention import copy_attention_loss, copy_attention_targets, recording_head0
@@ -53,20 +53,7 @@ def test_padding_is_never_a_source_or_a_query():
 
 
 def _cfg():
-    return DraftHeadConfig(
-        hidden_size=32,
-        target_hidden_size=24,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        vocab_size=64,
-        draft_vocab_size=64,
-        aux_layer_ids=[1, 2, 3],
-        target_num_layers=4,
-        rms_norm_eps=1e-6,
-        fc_norm=True,
-    )
+    return small_head_config(vocab_size=64, draft_vocab_size=64, fc_norm=True)
 
 
 def _copy_batch(gen, table, b=8, t=48):

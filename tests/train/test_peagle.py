@@ -4,34 +4,20 @@ unsegmented gradients; the mask-token choice; the loss overfits one batch of a t
 
 import pytest
 import torch
+from support.tiny_heads import SMALL, double_head_and_batch, small_head_config
 
-from eyas.heads.config import DraftHeadConfig
 from eyas.heads.peagle import PEagleHead, choose_mask_token_id
 from eyas.recipe import TrainSection
 from eyas.train.batching import shift_left
 from eyas.train.losses import TargetLabels
 from eyas.train.peagle import cod_grid, compact, element_label_slots, peagle_forward, peagle_loss
 
-V, AUX = 50, 72
+V, AUX = SMALL["vocab_size"], 3 * SMALL["target_hidden_size"]
+PEAGLE = dict(algorithm="peagle", mask_token_id=V - 1)
 
 
 def _cfg(**kw):
-    base = dict(
-        algorithm="peagle",
-        mask_token_id=V - 1,
-        hidden_size=32,
-        target_hidden_size=24,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        vocab_size=V,
-        draft_vocab_size=V,
-        aux_layer_ids=[1, 2, 3],
-        target_num_layers=4,
-    )
-    base.update(kw)
-    return DraftHeadConfig(**base)
+    return small_head_config(**PEAGLE, **kw)
 
 
 @pytest.mark.parametrize("multiple", [1, 64], ids=["unpadded", "elements-padded-to-64"])
@@ -46,13 +32,9 @@ def _cfg(**kw):
     ids=["1-layer", "2-layer-fc_norm", "3-layer-input_norm", "2-layer-window-3"],
 )
 def test_train_serve_equality(opts, multiple):
-    torch.manual_seed(0)
-    head = PEagleHead(_cfg(**opts)).double()
     b, t, depths = 2, 11, 4
-    ids = torch.randint(0, V - 1, (b, t))
-    am = torch.ones(b, t, dtype=torch.long)
-    am[1, 8:] = 0
-    aux = torch.randn(b, t, AUX, dtype=torch.double)
+    head, batch = double_head_and_batch(0, b, t, lengths=(11, 8), **PEAGLE, **opts)
+    ids, am, aux = batch["input_ids"], batch["attention_mask"], batch["aux"]
     el = compact(cod_grid(am, depths, 0.7, 0.1, torch.Generator().manual_seed(5)), t, multiple)
     assert el.real.shape[1] % multiple == 0  # padding elements see only themselves
     train = peagle_forward(head, el, ids, aux)
@@ -83,20 +65,8 @@ def _random_labels(attention_mask, vd, gen):
     return TargetLabels(logits=logits, argmax=logits.argmax(-1), valid=valid)
 
 
-def _double_head_and_batch(seed: int, layers: int, b: int, t: int):
-    """A float64 head and a random batch of b rows of t slots (all real)."""
-    torch.manual_seed(seed)
-    head = PEagleHead(_cfg(num_hidden_layers=layers)).double()
-    batch = {
-        "input_ids": torch.randint(0, V - 1, (b, t)),
-        "attention_mask": torch.ones(b, t, dtype=torch.long),
-        "aux": torch.randn(b, t, AUX, dtype=torch.double),
-    }
-    return head, batch
-
-
 def test_segments_give_the_unsegmented_loss_and_gradients():
-    head, batch = _double_head_and_batch(2, layers=2, b=2, t=17)
+    head, batch = double_head_and_batch(2, 2, 17, num_hidden_layers=2, **PEAGLE)
     batch["attention_mask"][0, 13:] = 0
     labels = _random_labels(batch["attention_mask"], V, torch.Generator().manual_seed(0))
     results = []
@@ -126,7 +96,7 @@ def test_loss_equals_the_mean_soft_cross_entropy_over_every_labelled_element(seg
     """The loss runs the LM head on the labelled elements only, in padded row and element
     counts; it must equal the soft cross-entropy of the full logits of the unpadded
     elements, and so must its gradients."""
-    head, batch = _double_head_and_batch(5, layers=1, b=3, t=19)
+    head, batch = double_head_and_batch(5, 3, 19, num_hidden_layers=1, **PEAGLE)
     batch["attention_mask"][1, 12:] = 0
     labels = _random_labels(batch["attention_mask"], V, torch.Generator().manual_seed(2))
     cfg = TrainSection(peagle={"num_depths": 4, "cod_r": 0.6, "cod_r_min": 0.1, "segment_length": seg})
@@ -153,15 +123,9 @@ def test_loss_equals_the_mean_soft_cross_entropy_over_every_labelled_element(seg
 
 
 def test_a_head_as_wide_as_its_target_learns_only_the_mask_row():
-    torch.manual_seed(0)
-    head = PEagleHead(_cfg(hidden_size=24, intermediate_size=48)).double()
-    table = head.embed_tokens.weight.detach().clone()
     b, t = 2, 9
-    batch = {
-        "input_ids": torch.randint(0, V - 1, (b, t)),
-        "attention_mask": torch.ones(b, t, dtype=torch.long),
-        "aux": torch.randn(b, t, AUX, dtype=torch.double),
-    }
+    head, batch = double_head_and_batch(0, b, t, hidden_size=24, intermediate_size=48, **PEAGLE)
+    table = head.embed_tokens.weight.detach().clone()
     labels = _random_labels(batch["attention_mask"], V, torch.Generator().manual_seed(0))
     cfg = TrainSection(peagle={"num_depths": 3, "cod_r": 0.8, "cod_r_min": 0.2})
     stats = peagle_loss(head, batch, labels, cfg, torch.Generator().manual_seed(1))
@@ -177,7 +141,7 @@ def test_a_head_as_wide_as_its_target_learns_only_the_mask_row():
 def test_loss_weighting_counts_each_element_or_each_depth_alike(seg):
     """ "element": the loss is the mean over every labelled element, so depth 0 (all anchors)
     dominates the sparsely kept depths; "depth": the mean of the per-depth means."""
-    head, batch = _double_head_and_batch(3, layers=1, b=2, t=23)
+    head, batch = double_head_and_batch(3, 2, 23, num_hidden_layers=1, **PEAGLE)
     labels = _random_labels(batch["attention_mask"], V, torch.Generator().manual_seed(1))
     losses = {}
     for weighting in ("element", "depth"):

@@ -3,9 +3,8 @@ accuracy counts)."""
 
 import pytest
 import torch
+from support.tiny_heads import double_head_and_batch
 
-from eyas.heads.config import DraftHeadConfig
-from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.layers import RMSNorm
 from eyas.heads.vocab import build_vocab_map
 from eyas.train.fastpath import draft_first_lm_head, ttt_loss_valid_rows, valid_row_labels
@@ -14,38 +13,16 @@ from eyas.train.reference import ttt_loss
 
 
 def _setup(opts, vd):
-    torch.manual_seed(0)
-    vt, ht = 50, 24
-    cfg = DraftHeadConfig(
-        hidden_size=32,
-        target_hidden_size=ht,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        vocab_size=vt,
-        draft_vocab_size=vd,
-        aux_layer_ids=[1, 2, 3],
-        target_num_layers=4,
-        **opts,
-    )
-    head = Eagle3Head(cfg).double()
+    b, t = 3, 9
+    head, batch = double_head_and_batch(0, b, t, lengths=(9, 6, 2), draft_vocab_size=vd, **opts)
+    cfg = head.config
+    vt, ht = cfg.vocab_size, cfg.target_hidden_size
     if vd < vt:
         vmap = build_vocab_map(torch.rand(vt), vd)
         head.set_vocab_map(vmap.d2t, vmap.t2d)
-    b, t = 3, 9
-    ids = torch.randint(0, vt, (b, t))
-    am = torch.ones(b, t, dtype=torch.long)
-    am[1, 6:] = 0
-    am[2, 2:] = 0
+    am = batch["attention_mask"]
     lm = (torch.rand(b, t) > 0.3).long() * am
-    batch = {
-        "input_ids": ids,
-        "attention_mask": am,
-        "loss_mask": lm,
-        "aux": torch.randn(b, t, 3 * ht, dtype=torch.double),
-        "last": torch.randn(b, t, ht, dtype=torch.double),
-    }
+    batch.update(loss_mask=lm, last=torch.randn(b, t, ht, dtype=torch.double))
     norm = RMSNorm(ht).double()
     w = torch.randn(vt, ht, dtype=torch.double)
     t2d = head.t2d if cfg.uses_vocab_map else None

@@ -3,31 +3,13 @@ trainer computes at step k, slot t equal those of the KV-cache drafting path).""
 
 import pytest
 import torch
+from support.tiny_heads import double_head_and_batch, small_head_config
 
-from eyas.heads.config import DraftHeadConfig
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.layers import TTTMask
 from eyas.train.batching import shift_left
 from eyas.train.masks import ttt_dense_mask, ttt_reference_mask
 from eyas.train.reference import ttt_unroll
-
-
-def _cfg(**kw):
-    base = dict(
-        hidden_size=32,
-        target_hidden_size=24,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        vocab_size=50,
-        draft_vocab_size=50,
-        aux_layer_ids=[1, 2, 3],
-        target_num_layers=4,
-        rms_norm_eps=1e-6,
-    )
-    base.update(kw)
-    return DraftHeadConfig(**base)
 
 
 @pytest.mark.parametrize("window", [None, 1, 2, 4])
@@ -62,16 +44,9 @@ def test_ttt_attention_equals_dense_reference_mask(opts, padding):
     """The trainer's TTT attention (causal step 0 for right padding, its own masks
     otherwise) equals SDPA over the flattened key axis with the brute-force-checked dense
     mask, on every real slot."""
-    torch.manual_seed(0)
-    head = Eagle3Head(_cfg(**opts)).double()
     b, t, steps = 2, 7, 4
-    ids = torch.randint(0, 50, (b, t))
-    am = torch.ones(b, t, dtype=torch.long)
-    if padding == "right":
-        am[1, 5:] = 0
-    else:
-        am[1, :2] = 0
-    aux = torch.randn(b, t, 72, dtype=torch.double)
+    head, batch = double_head_and_batch(0, b, t, lengths=(7, 5), left=padding == "left", **opts)
+    ids, am, aux = batch["input_ids"], batch["attention_mask"], batch["aux"]
     fast = [lg for _, lg in ttt_unroll(head, ids, am, aux, steps)]
     # dense reference: one cache, keys concatenated, the dense TTT mask per step
     cache = head.new_cache()
@@ -88,12 +63,10 @@ def test_ttt_attention_equals_dense_reference_mask(opts, padding):
 def test_train_serve_equality(opts):
     """TTT step k at slot t == the drafting path's (k+1)-th draft from slot t, fed the same
     teacher-forced tokens."""
-    torch.manual_seed(1)
-    head = Eagle3Head(_cfg(**opts)).double()
     t, steps = 9, 4
-    ids = torch.randint(0, 50, (1, t))
-    aux = torch.randn(1, t, 72, dtype=torch.double)
-    train_logits = [lg for _, lg in ttt_unroll(head, ids, torch.ones(1, t), aux, steps)]
+    head, batch = double_head_and_batch(1, 1, t, **opts)
+    ids, aux = batch["input_ids"], batch["aux"]
+    train_logits = [lg for _, lg in ttt_unroll(head, ids, batch["attention_mask"], aux, steps)]
     for slot in range(t - steps):
         cache = head.new_cache()
         tokens = ids[:, 1 : slot + 2]  # step-0 entries for slots 0..slot carry x_{s+1}
@@ -111,7 +84,7 @@ def test_train_serve_equality(opts):
 
 
 def test_draft_leaves_only_step0_entries_in_cache():
-    head = Eagle3Head(_cfg(draft_vocab_size=20))
+    head = Eagle3Head(small_head_config(draft_vocab_size=20))
     cache = head.new_cache()
     ids, logits = head.draft(
         cache, torch.randint(0, 50, (1, 6)), torch.randn(1, 6, 72), torch.arange(6)[None], k=4

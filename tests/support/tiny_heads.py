@@ -1,4 +1,8 @@
-"""Small random heads shared by the export / validate / push tests (no tests here)."""
+"""The tiny draft heads the tests build, in two sizes. `tiny_head_config` (H 64, V 320, an
+8-layer verifier) and `random_head` are what the export, import, validate and push tests
+write and read back; `small_head_config` (H 32 over a 24-wide, 4-layer target, V 50) with
+`double_head_and_batch` is the float64 head and batch that the train/serve equalities
+compare to 1e-9."""
 
 from __future__ import annotations
 
@@ -77,3 +81,45 @@ def verifier_dir(d, **config):
     )
     (d / "config.json").write_text(json.dumps({**fields, **config}))
     return d
+
+
+SMALL = dict(
+    hidden_size=32,
+    target_hidden_size=24,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    vocab_size=50,
+    draft_vocab_size=50,
+    aux_layer_ids=[1, 2, 3],
+    target_num_layers=4,
+    rms_norm_eps=1e-6,
+)
+
+
+def small_head_config(**overrides) -> DraftHeadConfig:
+    return DraftHeadConfig(**{**SMALL, **overrides})
+
+
+def random_batch(cfg: DraftHeadConfig, b: int, t: int, lengths=None, left: bool = False) -> dict:
+    """b rows of t random tokens (never a P-EAGLE head's mask token) and float64 aux states;
+    `lengths` real slots per row, the rest padding (on the left with `left`)."""
+    high = cfg.vocab_size if cfg.mask_token_id is None else cfg.mask_token_id
+    ids = torch.randint(0, high, (b, t))
+    am = torch.ones(b, t, dtype=torch.long)
+    for row, n in enumerate(lengths or ()):
+        if left:
+            am[row, : t - n] = 0
+        else:
+            am[row, n:] = 0
+    aux = torch.randn(b, t, cfg.fc_in_features, dtype=torch.double)
+    return {"input_ids": ids, "attention_mask": am, "aux": aux}
+
+
+def double_head_and_batch(seed: int, b: int, t: int, lengths=None, left: bool = False, **overrides):
+    """A float64 `small_head_config` head (of the algorithm `overrides` name) and a
+    `random_batch` for it, both drawn after seeding torch with `seed`."""
+    torch.manual_seed(seed)
+    head = build_head(small_head_config(**overrides)).double()
+    return head, random_batch(head.config, b, t, lengths, left)
