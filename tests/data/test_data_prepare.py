@@ -1,12 +1,14 @@
 """The prepare stage end to end on a tiny target (CLI), regeneration and its resume."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from eyas.cli import main
 from eyas.data.prepare import load_prepared, load_token_frequencies
+from eyas.data.regenerate_settings import RegenerationSettings
 from eyas.data.samples import split_indices
 
 
@@ -131,26 +133,29 @@ def test_regeneration_turn_by_turn_and_resume(tiny_llama_dir, tmp_path):
         for k in range(5)
     ]
     out = tmp_path / "regen.jsonl"
-    kw = dict(model=target.model, batch_size=2, max_new_tokens=6, progress=False)
-    full = regenerate(convs, target.tokenizer, out, **kw)
+    settings = RegenerationSettings(batch_size=2, max_new_tokens=6, progress=False)
+    model = target.model
+    full = regenerate(convs, target.tokenizer, out, settings, model=model)
     assert len(full) == 5
     for conv in full:
         assert conv[0]["content"].startswith("q") and all(m["content"] not in ("old", "old2") for m in conv)
     # Greedy batched replies equal unbatched ones (left padding is right).
-    single = regenerate(convs[:1], target.tokenizer, tmp_path / "one.jsonl", **{**kw, "batch_size": 1})
+    single = regenerate(
+        convs[:1], target.tokenizer, tmp_path / "one.jsonl", replace(settings, batch_size=1), model=model
+    )
     assert single[0] == full[0]
     # Simulate a kill: keep the first 3 records and half a line, then resume.
     lines = out.read_text().splitlines()
     out.write_text("\n".join(lines[:3]) + "\n" + lines[3][:10])
-    resumed = regenerate(convs, target.tokenizer, out, **kw)
+    resumed = regenerate(convs, target.tokenizer, out, settings, model=model)
     assert resumed == full
     records = [json.loads(line) for line in out.read_text().splitlines()]  # the cut line was removed
     assert sorted(r["index"] for r in records) == list(range(5))
     # The same file read for other conversations (another max_samples, dedupe, ...):
     # records generated from other prompts are generated again, not paired with these.
     shifted = convs[1:] + [[{"role": "user", "content": "new"}, {"role": "assistant", "content": "old"}]]
-    again = regenerate(shifted, target.tokenizer, out, **kw)
-    fresh = regenerate(shifted, target.tokenizer, tmp_path / "fresh.jsonl", **kw)
+    again = regenerate(shifted, target.tokenizer, out, settings, model=model)
+    fresh = regenerate(shifted, target.tokenizer, tmp_path / "fresh.jsonl", settings, model=model)
     assert again == fresh and again[0] == full[1]
 
 
@@ -164,21 +169,33 @@ def test_records_of_another_prompt_cap_or_reply_length_are_generated_again(tiny_
         for k in range(3)
     ]
     out = tmp_path / "regen.jsonl"
-    kw = dict(model=target.model, batch_size=3, max_new_tokens=4, progress=False)
+    model = target.model
+
+    def settings(**changes) -> RegenerationSettings:
+        return RegenerationSettings(**{"batch_size": 3, "max_new_tokens": 4, "progress": False, **changes})
+
     # A recipe whose prompt cap left no room: every conversation ends before its first reply.
-    assert regenerate(convs, target.tokenizer, out, max_prompt_tokens=1, **kw) == [[], [], []]
+    assert regenerate(convs, target.tokenizer, out, settings(max_prompt_tokens=1), model=model) == [
+        [],
+        [],
+        [],
+    ]
     # The fixed recipe must not reuse those empty records.
-    fixed = regenerate(convs, target.tokenizer, out, max_prompt_tokens=100, **kw)
+    fixed = regenerate(convs, target.tokenizer, out, settings(max_prompt_tokens=100), model=model)
     assert all(c and c[-1]["role"] == "assistant" for c in fixed)
-    assert fixed == regenerate(convs, target.tokenizer, tmp_path / "fresh.jsonl", max_prompt_tokens=100, **kw)
+    assert fixed == regenerate(
+        convs, target.tokenizer, tmp_path / "fresh.jsonl", settings(max_prompt_tokens=100), model=model
+    )
     # Another reply length is another record too.
-    longer = regenerate(convs, target.tokenizer, out, max_prompt_tokens=100, **{**kw, "max_new_tokens": 8})
+    longer = regenerate(
+        convs, target.tokenizer, out, settings(max_prompt_tokens=100, max_new_tokens=8), model=model
+    )
     assert longer == regenerate(
         convs,
         target.tokenizer,
         tmp_path / "fresh8.jsonl",
-        max_prompt_tokens=100,
-        **{**kw, "max_new_tokens": 8},
+        settings(max_prompt_tokens=100, max_new_tokens=8),
+        model=model,
     )
 
 
@@ -208,11 +225,8 @@ def test_max_turns_and_prompt_cap_limit_regeneration(tiny_llama_dir, tmp_path):
         [long_first, short],
         target.tokenizer,
         tmp_path / "r.jsonl",
+        RegenerationSettings(batch_size=2, max_new_tokens=4, progress=False, max_prompt_tokens=100),
         model=target.model,
-        batch_size=2,
-        max_new_tokens=4,
-        progress=False,
-        max_prompt_tokens=100,
     )
     assert out[0] == []  # its only prompt is too long: nothing to train on
     assert [m["role"] for m in out[1]] == ["user", "assistant"]  # stopped before the long second turn
@@ -249,11 +263,8 @@ def test_regeneration_batches_by_first_prompt_length(tiny_llama_dir, tmp_path, m
         convs,
         target.tokenizer,
         tmp_path / "r.jsonl",
+        RegenerationSettings(batch_size=3, max_new_tokens=4, progress=False, max_prompt_tokens=120),
         model=target.model,
-        batch_size=3,
-        max_new_tokens=4,
-        progress=False,
-        max_prompt_tokens=120,
     )
     assert len(calls) == 2 and [len(c) for c in calls] == [3, 3]
     assert max(calls[0]) < min(calls[1])  # the three short prompts, then the three long ones
@@ -298,12 +309,16 @@ def test_regeneration_progress_counts_tokens_and_resumes_its_count(tiny_llama_di
     ]
     prompt_tokens = [len(prompt_ids(target.tokenizer, before_first_reply(c))) for c in convs]
     out = tmp_path / "r.jsonl"
-    regenerate(convs, target.tokenizer, out, model=target.model, batch_size=2, max_new_tokens=5)
+    regenerate(
+        convs, target.tokenizer, out, RegenerationSettings(batch_size=2, max_new_tokens=5), model=target.model
+    )
     bar = _BarSpy.made[-1]
     assert bar.unit == "tok" and bar.total == sum(prompt_tokens) + 4 * 5 and bar.n == bar.total
     # resumed with two records kept: the bar starts at their reply slots, ends at its total
     out.write_text("\n".join(out.read_text().splitlines()[:2]) + "\n")
-    regenerate(convs, target.tokenizer, out, model=target.model, batch_size=2, max_new_tokens=5)
+    regenerate(
+        convs, target.tokenizer, out, RegenerationSettings(batch_size=2, max_new_tokens=5), model=target.model
+    )
     bar = _BarSpy.made[-1]
     kept = [json.loads(line)["index"] for line in out.read_text().splitlines()[:2]]
     left = [i for i in range(4) if i not in kept]

@@ -13,6 +13,7 @@ from support.real_formats import gpt_oss_tokenizer, qwen3_tokenizer
 from eyas.data.reasoning import draw_efforts
 from eyas.data.regenerate import regenerate
 from eyas.data.regenerate_server import ServerSettings
+from eyas.data.regenerate_settings import RegenerationSettings
 from eyas.data.templates import prompt_ids, render_with_mask
 
 HARMONY_REPLY = (
@@ -60,11 +61,9 @@ def test_gpt_oss_conversations_are_prompted_and_trained_at_their_effort(tmp_path
             _convs(8),
             tok,
             out,
-            backend="server",
-            server=_settings(server.url),
-            reasoning_effort=mix,
-            seed=3,
-            progress=False,
+            RegenerationSettings(
+                backend="server", server=_settings(server.url), reasoning_effort=mix, seed=3, progress=False
+            ),
             token_checks=checks,
         )
     efforts = draw_efforts(mix, 8, seed=3)
@@ -89,10 +88,9 @@ def test_gpt_oss_conversations_are_prompted_and_trained_at_their_effort(tmp_path
             _convs(1),
             tok,
             tmp_path / "n.jsonl",
-            backend="server",
-            server=_settings(server.url),
-            reasoning_effort="none",
-            progress=False,
+            RegenerationSettings(
+                backend="server", server=_settings(server.url), reasoning_effort="none", progress=False
+            ),
         )
 
 
@@ -104,10 +102,9 @@ def test_qwen3_thinking_is_off_at_effort_none_and_the_empty_block_is_context(tmp
             _convs(1),
             tok,
             tmp_path / "r.jsonl",
-            backend="server",
-            server=_settings(server.url),
-            reasoning_effort=effort,
-            progress=False,
+            RegenerationSettings(
+                backend="server", server=_settings(server.url), reasoning_effort=effort, progress=False
+            ),
         )
         (body,) = server.requests
     assert body["chat_template_kwargs"]["enable_thinking"] is (effort != "none")
@@ -129,9 +126,10 @@ def test_records_of_other_settings_are_generated_again(tmp_path):
 
         def requests(**kw):
             server.requests.clear()
-            regenerate(
-                _convs(3), tok, out, backend="server", server=_settings(server.url), progress=False, **kw
+            settings = RegenerationSettings(
+                backend="server", server=_settings(server.url), progress=False, **kw
             )
+            regenerate(_convs(3), tok, out, settings)
             return len(server.requests)
 
         assert requests() == 3
@@ -151,8 +149,7 @@ def test_records_of_other_settings_are_generated_again(tmp_path):
 def test_sampling_defaults_to_the_targets_generation_config(tiny_llama_dir, tmp_path):
     import shutil
 
-    from eyas.data.conversations import DropReport
-    from eyas.data.prepare import regeneration_kwargs
+    from eyas.data.prepare import regeneration_settings
     from eyas.recipe import recipe_from_dict
 
     sampling = tmp_path / "sampling-target"
@@ -165,9 +162,9 @@ def test_sampling_defaults_to_the_targets_generation_config(tiny_llama_dir, tmp_
         recipe = recipe_from_dict(
             {"target": {"name_or_path": str(target)}, "data": {"regenerate": {"backend": "server", **rg}}}
         )
-        kw = regeneration_kwargs(recipe, None, tmp_path, DropReport(), progress=False)
-        assert (kw["server"].temperature, kw["server"].top_p) == (kw["temperature"], kw["top_p"])
-        return kw["temperature"], kw["top_p"]
+        settings = regeneration_settings(recipe, None, tmp_path, progress=False)
+        assert (settings.server.temperature, settings.server.top_p) == (settings.temperature, settings.top_p)
+        return settings.temperature, settings.top_p
 
     assert chosen(sampling) == (0.7, 0.8)
     assert chosen(tiny_llama_dir) == (0.0, 1.0)  # a target that does not sample is regenerated greedily
@@ -185,12 +182,8 @@ def test_sampled_replies_are_seeded(tiny_llama_dir, tmp_path):
             _convs(4),
             tiny.tokenizer,
             tmp_path / name,
+            RegenerationSettings(batch_size=2, max_new_tokens=8, temperature=1.0, seed=seed, progress=False),
             model=tiny.model,
-            batch_size=2,
-            max_new_tokens=8,
-            temperature=1.0,
-            seed=seed,
-            progress=False,
         )
 
     assert run(0, "a.jsonl") == run(0, "b.jsonl")
@@ -214,12 +207,8 @@ def test_the_hf_backend_prompts_and_marks_each_conversation_at_its_effort(tiny_l
         _convs(6),
         tok,
         tmp_path / "r.jsonl",
+        RegenerationSettings(batch_size=1, max_new_tokens=4, reasoning_effort=mix, seed=2, progress=False),
         model=tiny.model,
-        batch_size=1,
-        max_new_tokens=4,
-        reasoning_effort=mix,
-        seed=2,
-        progress=False,
     )
     efforts = draw_efforts(mix, 6, seed=2)
     assert set(efforts) == {"low", "high"}

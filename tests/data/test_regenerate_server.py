@@ -15,6 +15,7 @@ from eyas.cli import main
 from eyas.data.reasoning import assistant_message, decoded_reply, parse_harmony, split_think
 from eyas.data.regenerate import regenerate
 from eyas.data.regenerate_server import ServerError, ServerSettings
+from eyas.data.regenerate_settings import RegenerationSettings
 from eyas.data.templates import render_with_mask
 from eyas.recipe import RecipeError, recipe_from_dict
 
@@ -53,10 +54,8 @@ def test_server_replies_equal_the_in_process_decoder_and_resume(tiny, tmp_path):
         convs,
         tiny.tokenizer,
         tmp_path / "hf.jsonl",
+        RegenerationSettings(batch_size=1, max_new_tokens=6, progress=False),
         model=tiny.model,
-        batch_size=1,
-        max_new_tokens=6,
-        progress=False,
     )
     out = tmp_path / "server.jsonl"
     with FakeChatServer(tiny.tokenizer, tiny.model) as server:
@@ -65,9 +64,7 @@ def test_server_replies_equal_the_in_process_decoder_and_resume(tiny, tmp_path):
             convs,
             tiny.tokenizer,
             out,
-            backend="server",
-            server=_settings(server.url),
-            progress=False,
+            RegenerationSettings(backend="server", server=_settings(server.url), progress=False),
             token_checks=checks,
         )
         assert got == hf
@@ -83,7 +80,10 @@ def test_server_replies_equal_the_in_process_decoder_and_resume(tiny, tmp_path):
         server.requests.clear()
         assert (
             regenerate(
-                convs, tiny.tokenizer, out, backend="server", server=_settings(server.url), progress=False
+                convs,
+                tiny.tokenizer,
+                out,
+                RegenerationSettings(backend="server", server=_settings(server.url), progress=False),
             )
             == hf
         )
@@ -102,9 +102,7 @@ def test_finished_turns_carry_the_targets_reply_into_the_next_prompt(tiny, tmp_p
             _convs(),
             tiny.tokenizer,
             tmp_path / "r.jsonl",
-            backend="server",
-            server=_settings(server.url),
-            progress=False,
+            RegenerationSettings(backend="server", server=_settings(server.url), progress=False),
             token_checks=checks,
         )
     assert len(server.requests) == 12  # every turn of every conversation, in order
@@ -126,9 +124,7 @@ def test_requests_spread_over_replicas_and_retry_on_503(tiny, tmp_path):
             _convs(8),
             tiny.tokenizer,
             tmp_path / "r.jsonl",
-            backend="server",
-            server=_settings(a.url, b.url),
-            progress=False,
+            RegenerationSettings(backend="server", server=_settings(a.url, b.url), progress=False),
         )
         assert len(got) == 8 and all(len(c) == 2 for c in got)
         assert len(a.requests) > 2 and len(b.requests) > 0  # both replicas served; a's two 503s were retried
@@ -143,9 +139,9 @@ def test_server_errors_name_the_url_and_what_it_said(tiny, tmp_path):
                 _convs(1),
                 tiny.tokenizer,
                 tmp_path / "a.jsonl",
-                backend="server",
-                server=_settings(server.url, max_retries=1),
-                progress=False,
+                RegenerationSettings(
+                    backend="server", server=_settings(server.url, max_retries=1), progress=False
+                ),
             )
     with FakeChatServer(tiny.tokenizer, tiny.model) as server:
         with pytest.raises(ServerError, match="answered 404.*'no-such-model' does not exist"):
@@ -153,18 +149,18 @@ def test_server_errors_name_the_url_and_what_it_said(tiny, tmp_path):
                 _convs(1),
                 tiny.tokenizer,
                 tmp_path / "b.jsonl",
-                backend="server",
-                server=_settings(server.url, model="no-such-model"),
-                progress=False,
+                RegenerationSettings(
+                    backend="server", server=_settings(server.url, model="no-such-model"), progress=False
+                ),
             )
     with pytest.raises(ServerError, match="127.0.0.1:9/v1/models failed 1 times; last: ConnectError"):
         regenerate(
             _convs(1),
             tiny.tokenizer,
             tmp_path / "c.jsonl",
-            backend="server",
-            server=_settings("http://127.0.0.1:9", max_retries=0),
-            progress=False,
+            RegenerationSettings(
+                backend="server", server=_settings("http://127.0.0.1:9", max_retries=0), progress=False
+            ),
         )
 
 
@@ -177,9 +173,7 @@ def test_a_server_without_token_ids_is_still_used(tiny, tmp_path):
             _convs(2),
             tiny.tokenizer,
             tmp_path / "r.jsonl",
-            backend="server",
-            server=_settings(server.url),
-            progress=False,
+            RegenerationSettings(backend="server", server=_settings(server.url), progress=False),
             token_checks=checks,
         )
         assert all(len(c) == 2 for c in got) and not checks
@@ -197,9 +191,7 @@ def test_server_urls_in_the_openai_client_form_reach_the_same_endpoints(tiny, tm
                 _convs(1),
                 tiny.tokenizer,
                 tmp_path / "r.jsonl",
-                backend="server",
-                server=_settings(url),
-                progress=False,
+                RegenerationSettings(backend="server", server=_settings(url), progress=False),
             )
             assert len(got[0]) == 2
             (tmp_path / "r.jsonl").unlink()
@@ -221,9 +213,7 @@ def test_harmony_reply_keeps_both_channels_through_storage_rendering_and_masks(t
             [conv],
             tok,
             tmp_path / "r.jsonl",
-            backend="server",
-            server=_settings(server.url),
-            progress=False,
+            RegenerationSettings(backend="server", server=_settings(server.url), progress=False),
             token_checks=checks,
         )
     reply = got[-1]

@@ -18,6 +18,7 @@ from eyas.data.conversations import normalize_row
 from eyas.data.reasoning import decoded_reply
 from eyas.data.regenerate import done_records, regenerate
 from eyas.data.regenerate_server import ServerSettings
+from eyas.data.regenerate_settings import RegenerationSettings
 from eyas.data.templates import render_with_mask
 from eyas.data.tool_text import tool_support
 
@@ -87,7 +88,11 @@ def test_tool_conversation_survives_regeneration_storage_and_rendering(
     ) as server:
         settings = ServerSettings(urls=[server.url], max_new_tokens=64, concurrency=1, backoff_s=0.01)
         (got,) = regenerate(
-            [conv], tok, out, backend="server", server=settings, progress=False, token_checks=checks
+            [conv],
+            tok,
+            out,
+            RegenerationSettings(backend="server", server=settings, progress=False),
+            token_checks=checks,
         )
     # every request carried the tools; the first asked from the history before the first reply
     assert all(r["tools"] == OPENAI_ROW["tools"] for r in server.requests)
@@ -121,9 +126,7 @@ def test_a_text_reply_where_the_record_calls_tools_ends_the_conversation(tiny_to
             [conv],
             tiny_tokenizer,
             tmp_path / "r.jsonl",
-            backend="server",
-            server=settings,
-            progress=False,
+            RegenerationSettings(backend="server", server=settings, progress=False),
             token_checks=checks,
         )
     assert [m["role"] for m in got] == ["system", "user", "assistant"] and checks["tool_divergence"] == 1
@@ -168,7 +171,9 @@ def test_the_hf_backend_replays_results_and_stops_at_divergence(tiny_tokenizer, 
     monkeypatch.setattr(regen, "decode_replies_hf", fake_decode)
     conv, _ = normalize_row(OPENAI_ROW)
     out = tmp_path / "hf.jsonl"
-    (got,) = regenerate([conv], tiny_tokenizer, out, model=object(), max_new_tokens=64, progress=False)
+    (got,) = regenerate(
+        [conv], tiny_tokenizer, out, RegenerationSettings(max_new_tokens=64, progress=False), model=object()
+    )
     calls = [[c["function"]["arguments"]["city"] for c in m.get("tool_calls", [])] for m in got]
     assert [c for c in calls if c] == [["Paris", "Rome"], ["Bergen"]]
     assert [m["content"] for m in got if m["role"] == "tool"] == ["RESULT_PARIS 21C", "RESULT_ROME 25C"]
@@ -189,7 +194,10 @@ def test_a_server_without_a_tool_parser_gets_tool_choice_none_and_raw_text(tiny_
     ) as server:
         settings = ServerSettings(urls=[server.url], max_new_tokens=64, concurrency=1, backoff_s=0.01)
         (got,) = regenerate(
-            [conv], tiny_tokenizer, tmp_path / "r.jsonl", backend="server", server=settings, progress=False
+            [conv],
+            tiny_tokenizer,
+            tmp_path / "r.jsonl",
+            RegenerationSettings(backend="server", server=settings, progress=False),
         )
     assert [c["function"]["arguments"]["city"] for c in got[2]["tool_calls"]] == ["Paris", "Rome"]
     assert (

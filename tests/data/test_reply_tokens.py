@@ -11,6 +11,7 @@ from support.real_formats import gpt_oss_tokenizer, llama3_tokenizer, qwen3_toke
 
 from eyas.data.regenerate import regenerate
 from eyas.data.regenerate_server import ServerSettings
+from eyas.data.regenerate_settings import RegenerationSettings
 from eyas.data.templates import prompt_ids, render_with_mask, special_strings
 
 CONV = [
@@ -89,9 +90,7 @@ def test_server_token_ids_are_stored_and_trained(tmp_path):
             [conv],
             tok,
             tmp_path / "r.jsonl",
-            backend="server",
-            server=settings,
-            progress=False,
+            RegenerationSettings(backend="server", server=settings, progress=False),
             token_checks=checks,
         )
     reply = got[-1]
@@ -111,7 +110,11 @@ def test_hf_replies_keep_their_token_ids(tiny_llama_dir, tmp_path):
     tiny = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
     conv = [CONV[3], {"role": "assistant", "content": "old"}]
     (got,) = regenerate(
-        [conv], tiny.tokenizer, tmp_path / "r.jsonl", model=tiny.model, max_new_tokens=6, progress=False
+        [conv],
+        tiny.tokenizer,
+        tmp_path / "r.jsonl",
+        RegenerationSettings(max_new_tokens=6, progress=False),
+        model=tiny.model,
     )
     (want,) = decode_replies_hf(
         tiny.model, tiny.tokenizer, [prompt_ids(tiny.tokenizer, conv[:1])], 6, 0.0, 1.0
