@@ -1,6 +1,6 @@
 """Every problem of a validation, listed rather than raised one at a time, in words a user
 acts on (the key or path, the value, what was expected). Two readers share it: the recipe
-(a line per error, `problem_lines`) and the serving config.json (heads/serving_config.py,
+(a line per error, `problem_lines`) and the serving config.json (export/serving_config.py,
 `validate_listing_problems`: the fields that validated are still read, so a reader reports
 every problem of a head at once).
 """

@@ -29,6 +29,7 @@ from eyas.data.cache import (
     write_manifest,
 )
 from eyas.data.capture_plan import plan_capture
+from eyas.data.capture_settings import CaptureSettings
 from eyas.target.features import compute_features
 from eyas.target.load import text_config
 
@@ -147,35 +148,28 @@ def capture_split(
     model,
     dataset,
     out_dir: str | Path,
-    aux_layer_ids: Sequence[int],
-    aux_dtype: str = "bf16",
-    batch_tokens: int = 8192,
-    shard_tokens: int = 262_144,
-    pad_id: int = 0,
-    target_name: str = "",
-    fail_after_shards: int | None = None,
-    progress: bool = True,
+    settings: CaptureSettings,
     fed_states=None,
-    prepared_digest: str | None = None,
     engine=None,
-    hidden_size: int | None = None,
+    fail_after_shards: int | None = None,
 ) -> dict:
     """Capture one prepared split (a `datasets.Dataset` with input_ids, loss_mask) into
-    `out_dir`; resumes a partial capture of the same plan. Returns the final manifest.
+    `out_dir` as `settings` say; resumes a partial capture of the same plan. Returns the
+    final manifest.
 
     `fed_states`: a `FedStates` of the regeneration that made the split (whose
     `conversation` column names each sample's record); the samples it holds valid states
     for are copied, not run (each shard's manifest entry counts them as copied_samples).
-    `prepared_digest`: the prepared directory's digest (meta.json), recorded in the
-    manifest so that the trainer refuses a cache of other prepared data.
     `engine`: an `EngineStates` (data/capture_engine.py) that hands over the states of the
     samples not copied from `fed_states`, shard by shard; `model` is then None and
-    `hidden_size` the target's."""
+    `settings.hidden_size` the target's. `fail_after_shards` stops the capture there (the
+    resume tests)."""
     from safetensors.torch import save
     from tqdm.auto import tqdm
 
+    aux_layer_ids, aux_dtype = settings.aux_layer_ids, settings.aux_dtype
     out_dir = Path(out_dir)
-    hidden = hidden_size or (
+    hidden = settings.hidden_size or (
         model.config.get_text_config().hidden_size
         if hasattr(model.config, "get_text_config")
         else model.config.hidden_size
@@ -189,18 +183,18 @@ def capture_split(
             return fed_states.states_for(conversations[i], all_ids[i], all_masks[i])
 
     lengths = [len(x) for x in all_ids]
-    plan = plan_capture(lengths, batch_tokens, shard_tokens)
-    settings = {
+    plan = plan_capture(lengths, settings.batch_tokens, settings.shard_tokens)
+    recorded = {
         "aux_layer_ids": list(aux_layer_ids),
         "aux_dtype": aux_dtype,
         "hidden_size": hidden,
-        "target": target_name,
+        "target": settings.target_name,
     }
-    if prepared_digest is not None:  # (absent from caches written before digests)
-        settings["prepared_digest"] = prepared_digest
+    if settings.prepared_digest is not None:  # (absent from caches written before digests)
+        recorded["prepared_digest"] = settings.prepared_digest
     if engine is not None:  # (absent from hf caches, so theirs resume as before)
-        settings["backend"] = "vllm"
-    fingerprint = plan.fingerprint(settings)
+        recorded["backend"] = "vllm"
+    fingerprint = plan.fingerprint(recorded)
     manifest = read_manifest(out_dir)
     if manifest is not None and manifest.get("plan") != fingerprint:
         raise CaptureError(
@@ -210,7 +204,7 @@ def capture_split(
         manifest = {
             "format": FORMAT,
             "version": 1,
-            **settings,
+            **recorded,
             "num_samples": len(lengths),
             "num_tokens": sum(lengths),
             "plan": fingerprint,
@@ -245,7 +239,7 @@ def capture_split(
         initial=sum(lengths) - remaining,
         unit="tok",
         desc=f"capture {out_dir.name}",
-        disable=not progress,
+        disable=not settings.progress,
     )
     written_now = 0
     for k in todo:
@@ -263,7 +257,15 @@ def capture_split(
                 return fed[i] if fed.get(i) is not None else from_engine[i]
 
         tensors, copied = capture_shard(
-            model, all_ids, all_masks, plan.shards[k], aux_layer_ids, aux_dtype, pad_id, shard_states, hidden
+            model,
+            all_ids,
+            all_masks,
+            plan.shards[k],
+            aux_layer_ids,
+            aux_dtype,
+            settings.pad_id,
+            shard_states,
+            hidden,
         )
         data = save(tensors)
         name = _shard_name(k)
@@ -347,7 +349,9 @@ def capture(
             f"capture: {fed_dir} holds the regeneration's states of {len(fed)} conversations; "
             "they are copied where the prepared tokens match"
         )
-    digest = read_prepared_digest(prepared)
+    settings = CaptureSettings.from_recipe(
+        recipe, aux_ids, target.hidden_size, pad, read_prepared_digest(prepared), progress
+    )
     manifests = {}
     with contextlib.ExitStack() as stack:
         if engine:  # started at the first shard it is asked for, so a complete cache starts none
@@ -357,22 +361,7 @@ def capture(
         for s in splits:
             if overwrite:
                 shutil.rmtree(cache / s, ignore_errors=True)
-            m = capture_split(
-                target.model,
-                dd[s],
-                cache / s,
-                aux_ids,
-                recipe.data.cache_dtype,
-                recipe.data.capture_batch_tokens,
-                recipe.data.shard_tokens,
-                pad,
-                recipe.target.name_or_path,
-                progress=progress,
-                fed_states=fed,
-                prepared_digest=digest,
-                engine=engine or None,
-                hidden_size=target.hidden_size,
-            )
+            m = capture_split(target.model, dd[s], cache / s, settings, fed_states=fed, engine=engine or None)
             copied = sum(sh.get("copied_samples", 0) for sh in m["shards"])
             say(
                 f"{cache / s}: {m['num_samples']} samples ({copied} copied from regeneration), "

@@ -20,7 +20,7 @@ serves the labels at t+1 and later (the target logits of slot t, the head's quer
 and the keys it reads, all causal), and the last label, the end-of-turn token, is
 predicted from the last reply token, which was fed. The trainer's loss is therefore the
 same as with a full capture up to bf16 rounding of the decode kernels
-(tests/test_fed_states.py compares them).
+(tests/data/test_fed_states.py compares them).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import torch
 
 from eyas.core.run_paths import RunPaths
 from eyas.data.conversations import DropReport, NoUsableDataError, read_conversations
+from eyas.data.regenerate_settings import RegenerationSettings
 from eyas.data.samples import (
     conversation_samples,
     drop_repeated_samples,
@@ -108,11 +109,18 @@ def prepare(recipe, out_dir: Path | None = None, tokenizer=None, target=None, pr
         tokenizer = tokenizer or (target.tokenizer if target is not None else None)
         from eyas.data.regenerate import regenerate
 
-        kwargs = regeneration_kwargs(recipe, target, out_dir, report, progress)
+        settings = regeneration_settings(recipe, target, out_dir, progress)
         tokenizer = tokenizer or load_tokenizer(
             recipe.target.name_or_path, recipe.target.revision, recipe.target.trust_remote_code
         )
-        conversations = regenerate(conversations, tokenizer, out_dir / RunPaths.REGENERATED, **kwargs)
+        conversations = regenerate(
+            conversations,
+            tokenizer,
+            out_dir / RunPaths.REGENERATED,
+            settings,
+            model=target.model if target is not None else None,
+            token_checks=report.token_checks,
+        )
         # a conversation that ended where the target's tool calls left the record is kept, cut
         if report.token_checks.get("tool_divergence"):
             report.repaired["tool_divergence"] += report.token_checks.pop("tool_divergence")
@@ -223,7 +231,7 @@ def gather_conversations(cfg, max_samples: int | None = None):
     return conversations, report
 
 
-def regeneration_kwargs(recipe, target, out_dir: Path, report: DropReport, progress: bool = True) -> dict:
+def regeneration_settings(recipe, target, out_dir: Path, progress: bool = True) -> RegenerationSettings:
     """`regenerate()`'s settings from a recipe's `data.regenerate`, for `target` (None with
     the server backend); shared by `prepare` and the time-budget probe (eyas/budget/probe.py)."""
     cfg, rg = recipe.data, recipe.data.regenerate
@@ -242,8 +250,7 @@ def regeneration_kwargs(recipe, target, out_dir: Path, report: DropReport, progr
             cfg.aux_layer_ids or default_aux_layer_ids(target.num_layers), target.num_layers
         )
     temperature, top_p = regeneration_sampling(recipe, target)
-    return dict(
-        model=target.model if target is not None else None,
+    return RegenerationSettings(
         backend=rg.backend,
         batch_size=rg.batch_size,
         max_new_tokens=rg.max_new_tokens,
@@ -257,7 +264,6 @@ def regeneration_kwargs(recipe, target, out_dir: Path, report: DropReport, progr
         state_layer_ids=layer_ids,
         target_name=recipe.target.name_or_path,
         server=server_settings(rg, out_dir, temperature, top_p) if rg.backend == "server" else None,
-        token_checks=report.token_checks,
     )
 
 

@@ -38,6 +38,7 @@ from eyas.data.reasoning import (
     is_empty_reply,
     is_harmony_tokenizer,
 )
+from eyas.data.regenerate_settings import RegenerationSettings
 from eyas.data.templates import prompt_ids
 from eyas.data.tool_text import as_served, calls_mode
 from eyas.data.tools import copy_until_reply
@@ -134,30 +135,19 @@ def regenerate(
     conversations: Sequence[list[dict]],
     tokenizer,
     out_path: str | Path,
+    settings: RegenerationSettings,
     model=None,
-    backend: str = "hf",
-    batch_size: int = 16,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    reasoning_effort: str | dict[str, float] | None = None,
-    progress: bool = True,
-    max_prompt_tokens: int | None = None,
-    states_dir: str | Path | None = None,
-    state_layer_ids: Sequence[int] | None = None,
-    target_name: str = "",
-    server=None,
     token_checks: Counter | None = None,
     only: Sequence[int] | None = None,
 ) -> list[list[dict]]:
     """Regenerate every assistant turn; returns the new conversations (in input order).
 
-    `backend` "hf" decodes with `model` in batches of `batch_size`; "server" sends the
-    turns to the engine `server` (a `ServerSettings`) describes. With `states_dir` and
-    `state_layer_ids` (the hf backend only), the states the target computed for each
-    conversation's last kept reply and its prompt are written there before the batch's
-    records (data/fed_states.py), for the capture to copy. `token_checks`, when given,
+    `settings.backend` "hf" decodes with `model` in batches of `settings.batch_size`;
+    "server" sends the turns to the engine `settings.server` (a `ServerSettings`)
+    describes. With `states_dir` and `state_layer_ids` (the hf backend only), the states
+    the target computed for each conversation's last kept reply and its prompt are written
+    there before the batch's records (data/fed_states.py), for the capture to copy.
+    `token_checks`, when given,
     gets the server's token-id comparisons of the returned conversations, the resumed
     ones included. `only` limits the work to those indices (the others come back as
     they were, or as already regenerated): the time-budget probe runs one batch this way.
@@ -174,28 +164,20 @@ def regenerate(
     """
     from tqdm.auto import tqdm
 
-    if backend not in ("hf", "server"):
-        raise ValueError(f"unknown regeneration backend {backend!r} (hf or server)")
-    if backend == "server" and server is None:
+    s = settings
+    if s.backend not in ("hf", "server"):
+        raise ValueError(f"unknown regeneration backend {s.backend!r} (hf or server)")
+    if s.backend == "server" and s.server is None:
         raise ValueError("the server backend needs its ServerSettings")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    efforts = draw_efforts(reasoning_effort, len(conversations), seed)
+    efforts = draw_efforts(s.reasoning_effort, len(conversations), s.seed)
     if "none" in efforts and is_harmony_tokenizer(tokenizer):
         raise ValueError(
             "data.regenerate.reasoning_effort: 'none' is not an effort of harmony (GPT-OSS) targets; "
             "use low, medium or high"
         )
-    shaping = {
-        "target": target_name,
-        "backend": backend,
-        "max_new_tokens": max_new_tokens,
-        "max_prompt_tokens": max_prompt_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "seed": seed,
-        "server_model": getattr(server, "model", None),
-    }
+    shaping = s.shaping()
     sources = [source_digest(c, {**shaping, "reasoning_effort": e}) for c, e in zip(conversations, efforts)]
     records = done_records(out_path)
     # a record whose source differs came from other data (another max_samples, dedupe,
@@ -216,22 +198,22 @@ def regenerate(
     # dataset's own reply decide, which left ~60% of prefill positions padding.
     # Conversations whose first prompt is already over the cap take no batch slot.
     first_prompt = {i: prompt_ids(tokenizer, before_first_reply(conversations[i]), efforts[i]) for i in todo}
-    cap = max_prompt_tokens if max_prompt_tokens is not None else float("inf")
+    cap = s.max_prompt_tokens if s.max_prompt_tokens is not None else float("inf")
     too_long = [i for i in todo if len(first_prompt[i]) > cap]
     todo = sorted((i for i in todo if len(first_prompt[i]) <= cap), key=lambda i: len(first_prompt[i]))
-    torch.manual_seed(seed)
+    torch.manual_seed(s.seed)
     # The bar counts tokens, not conversations: the prompts run shortest first, so a
     # conversation count would promise the long tail at the short head's rate.
-    work = {i: expected_tokens(conversations[i], len(first_prompt[i]), max_new_tokens) for i in todo}
+    work = {i: expected_tokens(conversations[i], len(first_prompt[i]), s.max_new_tokens) for i in todo}
     work.update((i, 0) for i in too_long)
-    done_work = sum(expected_tokens(conversations[i], 0, max_new_tokens) for i in done)
+    done_work = sum(expected_tokens(conversations[i], 0, s.max_new_tokens) for i in done)
     bar = tqdm(
         total=done_work + sum(work.values()),
         initial=done_work,
         desc="regenerate",
         unit="tok",
         unit_scale=True,
-        disable=not progress,
+        disable=not s.progress,
     )
     with open(out_path, "a", encoding="utf-8") as f:
         writer = RecordWriter(f, sources, done)
@@ -239,7 +221,7 @@ def regenerate(
             for i in too_long:
                 writer.write(i, [])
             writer.sync()
-        if backend == "server":
+        if s.backend == "server":
             from eyas.data.regenerate_server import regenerate_with_server
 
             # the longest first: a long conversation started last would hold the run's tail
@@ -249,9 +231,9 @@ def regenerate(
                     conversations,
                     todo,
                     tokenizer,
-                    server,
+                    s.server,
                     writer.write_soon,
-                    max_prompt_tokens,
+                    s.max_prompt_tokens,
                     bar,
                     work,
                     efforts,
@@ -267,14 +249,7 @@ def regenerate(
                 model,
                 writer,
                 lambda b: bar.update(sum(work[i] for i in b)),
-                batch_size,
-                max_new_tokens,
-                temperature,
-                top_p,
-                max_prompt_tokens,
-                states_dir,
-                state_layer_ids,
-                target_name,
+                s,
                 efforts,
             )
     bar.close()
@@ -292,17 +267,11 @@ def _regenerate_hf(
     model,
     writer: RecordWriter,
     advance,
-    batch_size,
-    max_new_tokens,
-    temperature,
-    top_p,
-    max_prompt_tokens,
-    states_dir,
-    state_layer_ids,
-    target_name,
+    s: RegenerationSettings,
     efforts,
 ) -> None:
     """The hf backend: batches of conversations, the next reply of every one decoded together."""
+    batch_size, max_prompt_tokens, states_dir = s.batch_size, s.max_prompt_tokens, s.states_dir
     parse_calls = {i: calls_mode(tokenizer, conversations[i]) for i in todo}
     served = {i: as_served(tokenizer, conversations[i]) for i in todo}
     for start in range(0, len(todo), batch_size):
@@ -342,10 +311,10 @@ def _regenerate_hf(
                 model,
                 tokenizer,
                 prompts,
-                max_new_tokens,
-                temperature,
-                top_p,
-                state_layer_ids=state_layer_ids if states_dir is not None else None,
+                s.max_new_tokens,
+                s.temperature,
+                s.top_p,
+                state_layer_ids=s.state_layer_ids if states_dir is not None else None,
             )
             replies = [
                 decoded_reply(tokenizer, d.token_ids, d.finished, parse_calls.get(i), efforts[i])
@@ -370,8 +339,8 @@ def _regenerate_hf(
             write_fed_states(
                 states_dir,
                 {i: fed[i] for i in batch if i in fed and histories[i]},
-                state_layer_ids,
-                target_name,
+                s.state_layer_ids,
+                s.target_name,
             )
         for i in batch:
             writer.write(i, histories[i], {"tool_divergence": 1} if i in diverged else None)

@@ -14,7 +14,7 @@ from eyas.eval.bench_settings import BenchSettings
 from eyas.eval.engine_check import describe, sampled_decoding_check
 from eyas.eval.offline_match import side_by_side
 from eyas.eval.request_metrics import NOT_OFFERED
-from eyas.heads.serving_config import vllm_serve_command
+from eyas.export.vllm_command import vllm_serve_command
 
 PLOT_NAME = RunPaths.BENCH_SERVE_PLOT
 CONTEXT_PLOT_NAME = "bench_serve_by_context.png"

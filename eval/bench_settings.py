@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eyas.heads.serving_config import speculative_config
+from eyas.export.vllm_command import speculative_config
 
 
 class BenchError(RuntimeError):
@@ -60,7 +60,7 @@ class Drafter:
 
 def head_drafter(name: str, path: str) -> Drafter:
     """A head directory read as vLLM will: its algorithm, layers and draft vocabulary."""
-    from eyas.heads.head_dir import read_head_dir
+    from eyas.export.head_dir import read_head_dir
 
     head = read_head_dir(path)
     if head.problems:

@@ -236,9 +236,9 @@ def load_eval_head(head_dir: str, target):
     """A head from an eyas checkpoint or an export directory, on the target's device and
     in its dtype; checked against the target's config as `eyas export --check --target`
     checks it."""
-    from eyas.heads.head_dir import target_facts
-    from eyas.heads.load_export import load_any_head
-    from eyas.heads.validate import ExportValidationError
+    from eyas.export.head_dir import target_facts
+    from eyas.export.reader import load_any_head
+    from eyas.export.validate import ExportValidationError
 
     embed = target.model.get_input_embeddings().weight.detach()
     try:
@@ -288,7 +288,7 @@ def evaluate(
     from eyas.eval.report import verdicts, write_outputs
     from eyas.eval.speculate import HeadDrafter
     from eyas.eval.workloads import load_workload
-    from eyas.heads.fetch import fetch_head
+    from eyas.export.fetch import fetch_head
     from eyas.target.load import load_recipe_target
 
     ev = recipe.eval

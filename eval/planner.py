@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 from eyas.core.acceptance import expected_tokens_per_step
 from eyas.eval.sizes import Hardware, HeadSize, TargetSize
 from eyas.eval.vram import format_vram_tax, vram_tax
+from eyas.export.vllm_command import speculative_config as heads_speculative_config
 from eyas.heads.algorithms import get_algorithm
-from eyas.heads.serving_config import speculative_config as heads_speculative_config
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 

@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -54,6 +55,7 @@ def main() -> int:
     from eyas.data.cache import FeatureCache, bytes_per_token, dequantize_fp8, quantize_fp8
     from eyas.data.capture import _pad_batch, capture_split
     from eyas.data.capture_plan import plan_capture
+    from eyas.data.capture_settings import CaptureSettings
     from eyas.data.conversations import read_conversations
     from eyas.data.templates import TemplateError, render_with_mask
     from eyas.target.features import compute_features, default_aux_layer_ids, target_norm_and_lm_head
@@ -106,6 +108,10 @@ def main() -> int:
             for x, m in batches:
                 model(input_ids=x, attention_mask=m, use_cache=False)
 
+    # the bf16 capture timed against the plain forward, and once more as fp8
+    settings = CaptureSettings(
+        aux_ids, batch_tokens=args.batch_tokens, pad_id=tok.pad_token_id or 0, progress=False
+    )
     forward_only()  # warm-up (allocator, kernels)
     # Interleave and keep the best of each, since a shared 2-core machine is noisy.
     t_fwd, t_cap, t_logits = [], [], []
@@ -114,17 +120,7 @@ def main() -> int:
             out = Path(tmp) / f"bf16-{rep}"
 
             def capture(out=out):
-                capture_split(
-                    model,
-                    split,
-                    out,
-                    aux_ids,
-                    "bf16",
-                    args.batch_tokens,
-                    262_144,
-                    tok.pad_token_id or 0,
-                    progress=False,
-                )
+                capture_split(model, split, out, settings)
 
             # alternate which goes first, so neither always runs on a warmer machine
             if rep % 2:
@@ -134,17 +130,7 @@ def main() -> int:
                 t_fwd.append(timed(forward_only))
                 t_cap.append(timed(capture))
         t_logits.append(timed(forward_logits))
-        capture_split(
-            model,
-            split,
-            Path(tmp) / "fp8",
-            aux_ids,
-            "fp8",
-            args.batch_tokens,
-            262_144,
-            tok.pad_token_id or 0,
-            progress=False,
-        )
+        capture_split(model, split, Path(tmp) / "fp8", replace(settings, aux_dtype="fp8"))
         if vllm is not None:
             vllm["relative_error_vs_hf_per_layer"] = layer_errors(
                 FeatureCache(keep / "vllm"), FeatureCache(Path(tmp) / "bf16-0"), aux_ids, H
@@ -228,6 +214,7 @@ def bench_vllm(args, split: dict, aux_ids: list[int], num_layers: int, hidden: i
     is left in keep/vllm."""
     from eyas.data.capture import capture_split
     from eyas.data.capture_engine import capture_engine
+    from eyas.data.capture_settings import CaptureSettings
     from eyas.recipe import recipe_from_dict
 
     n_tokens = sum(len(x) for x in split["input_ids"])
@@ -241,23 +228,15 @@ def bench_vllm(args, split: dict, aux_ids: list[int], num_layers: int, hidden: i
         )
         t0 = time.perf_counter()
         times = []
+        settings = CaptureSettings(
+            aux_ids, batch_tokens=args.batch_tokens, hidden_size=hidden, progress=False
+        )
         with capture_engine(recipe, aux_ids, num_layers) as engine:
             started = time.perf_counter() - t0
             for rep in range(args.repeats + 1):
                 out = Path(tmp) / f"vllm-{rep}"
                 t = time.perf_counter()
-                capture_split(
-                    None,
-                    split,
-                    out,
-                    aux_ids,
-                    "bf16",
-                    args.batch_tokens,
-                    262_144,
-                    progress=False,
-                    engine=engine,
-                    hidden_size=hidden,
-                )
+                capture_split(None, split, out, settings, engine=engine)
                 times.append(time.perf_counter() - t)
                 if rep == args.repeats:
                     shutil.move(out, keep / "vllm")

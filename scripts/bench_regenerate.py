@@ -215,17 +215,16 @@ def _regenerate_through_server(
     returns the stored reply texts ("" where none came)."""
     from eyas.data.regenerate import regenerate
     from eyas.data.regenerate_server import ServerSettings
+    from eyas.data.regenerate_settings import RegenerationSettings
 
     conversations = [first + [{"role": "assistant", "content": ""}] for first in firsts]
     with tempfile.TemporaryDirectory() as tmp:
-        settings = ServerSettings(urls=[url], concurrency=concurrency, max_new_tokens=max_new_tokens)
+        server = ServerSettings(urls=[url], concurrency=concurrency, max_new_tokens=max_new_tokens)
         out = regenerate(
             conversations,
             tokenizer,
             Path(tmp) / "regenerated.jsonl",
-            backend="server",
-            server=settings,
-            progress=False,
+            RegenerationSettings(backend="server", server=server, progress=False),
         )
     return [c[-1]["content"] if c else "" for c in out]
 

@@ -36,7 +36,7 @@ def main() -> None:
     from eyas.eval.ngram import ngram_propose
     from eyas.eval.speculate import capture_aux, greedy_decode
     from eyas.eval.workloads import load_workload, render_turn
-    from eyas.heads.load_export import load_any_head
+    from eyas.export.reader import load_any_head
     from eyas.target.load import load_target, stop_token_ids
 
     target = load_target(args.target, dtype=args.dtype, device="cpu")

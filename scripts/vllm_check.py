@@ -309,9 +309,9 @@ def export_with_eyas(
     head, spec: HeadSpec, work: Path, verifier: str, dtype=torch.float32
 ) -> tuple[Path, list[str]]:
     """save_head -> export_checkpoint (what `eyas export` runs) -> validate_export."""
-    from eyas.heads.export import export_checkpoint
+    from eyas.export.validate import validate_export
+    from eyas.export.writer import export_checkpoint
     from eyas.heads.io import save_head
-    from eyas.heads.validate import validate_export
 
     ckpt = save_head(head, work / "checkpoints" / spec.name)
     out = export_checkpoint(ckpt, work / "heads" / spec.name, fmt=spec.fmt, dtype=dtype, verifier=verifier)
@@ -332,9 +332,9 @@ def build_spec_head(spec: HeadSpec, side: EyasSide, work: Path, target_dir: Path
     from eyas.heads.peagle import choose_mask_token_id
 
     if spec.kind == "trained":
-        from eyas.heads.export import export_head
-        from eyas.heads.load_export import load_any_head
-        from eyas.heads.validate import validate_export
+        from eyas.export.reader import load_any_head
+        from eyas.export.validate import validate_export
+        from eyas.export.writer import export_head
 
         if trained_dir is None:
             raise FileNotFoundError("no trained head: pass --trained-head DIR (or run scripts/quickstart.sh)")
@@ -532,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         checks = {"export_validates": {"ok": not problems, "problems": problems}}
         if ref_bad is not None:
             checks["head_equals_reference_math"] = {"ok": ref_bad == 0, "mismatching_slots": ref_bad}
-        from eyas.heads.load_export import load_any_head
+        from eyas.export.reader import load_any_head
 
         head = load_any_head(head_dir, target_embed=side.embed, dtype=torch.float32)
         log(f"{name}: eyas offline speculative decoding")

@@ -15,9 +15,11 @@ if "EYAS_CACHE_DIR" not in os.environ:
 
     os.environ["EYAS_CACHE_DIR"] = tempfile.mkdtemp(prefix="eyas-test-cache-")
 
+# tests/ has no __init__.py: pytest puts this folder on sys.path, so what the tests share is
+# imported as `support.<module>` from any stage folder; a test file's basename stays unique.
 import sys  # noqa: E402
 
-from tiny_targets import FAMILIES, save_tiny_target  # noqa: E402
+from support.tiny_targets import FAMILIES, save_tiny_target  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -46,6 +48,6 @@ def tiny_llama_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    from tiny_targets import byte_tokenizer
+    from support.tiny_targets import byte_tokenizer
 
     return byte_tokenizer()

@@ -314,9 +314,9 @@ def initial_head(
             recipe, target.config, verifier=verifier, tokenizer=target.tokenizer, token_freqs=freqs
         )
         return build_trainable_head(cfg, target.model, freqs), cfg
-    from eyas.heads.fetch import fetch_head
-    from eyas.heads.head_dir import target_facts
-    from eyas.heads.load_export import load_any_head
+    from eyas.export.fetch import fetch_head
+    from eyas.export.head_dir import target_facts
+    from eyas.export.reader import load_any_head
 
     source_dir = fetch_head(source_name, revision=recipe.train.init_from_revision)
     embed = target.model.get_input_embeddings().weight.detach().float().cpu()

@@ -15,7 +15,7 @@ def measure(recipe, progress: bool = True) -> Rates:
     import torch
 
     from eyas.data.conversations import DropReport
-    from eyas.data.prepare import gather_conversations, regeneration_kwargs, render_all
+    from eyas.data.prepare import gather_conversations, regeneration_settings, render_all
     from eyas.data.regenerate import before_first_reply, done_records, regenerate
     from eyas.data.templates import prompt_ids
     from eyas.eval.speculate import greedy_decode
@@ -58,15 +58,15 @@ def measure(recipe, progress: bool = True) -> Rates:
     fits_share = sum(first[i] <= cap for i in first) / len(first)
     regen_s = 0.0
     if rg.enabled:
-        report = DropReport()
         out_dir = Path(recipe.paths.prepared)
         start = time.perf_counter()
         regenerated = regenerate(
             conversations,
             tok,
             regen_path,
+            regeneration_settings(recipe, target, out_dir, progress),
+            model=target.model,
             only=probe,
-            **regeneration_kwargs(recipe, target, out_dir, report, progress),
         )
         regen_s = time.perf_counter() - start
         samples = [regenerated[i] for i in probe if any(m["role"] == "assistant" for m in regenerated[i])]

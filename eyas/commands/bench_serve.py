@@ -128,8 +128,8 @@ def run(args: argparse.Namespace) -> int:
     from eyas.eval import bench_serve as B
     from eyas.eval.bench_settings import BenchSettings, Drafter, head_drafter
     from eyas.eval.workloads import WorkloadError
-    from eyas.heads.fetch import fetch_head
-    from eyas.heads.validate import ExportFormatError
+    from eyas.export.fetch import fetch_head
+    from eyas.export.validate import ExportFormatError
     from eyas.target.load import resolve_target_path
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise

@@ -69,15 +69,15 @@ def check_target_facts(target: str | None):
     """The verifier's facts for a head check, from `--target` (None: the head's own)."""
     if not target:
         return None
-    from eyas.heads.head_dir import target_facts
+    from eyas.export.head_dir import target_facts
     from eyas.target.load import load_target_config
 
     return target_facts(load_target_config(target), target)
 
 
 def _check(name: str, target: str | None, as_json: bool) -> int:
-    from eyas.heads.export import ExportFormatError
-    from eyas.heads.fetch import fetch_head
+    from eyas.export.fetch import fetch_head
+    from eyas.export.writer import ExportFormatError
 
     try:
         head_dir = str(fetch_head(name))
@@ -109,8 +109,8 @@ def _inspect_against_verifier(head_dir: str, facts):
     """The head read against `facts` (from --target), else against the verifier it names,
     whose config is fetched from the Hub when it is not on this machine; and, when that
     verifier could not be read, the line saying why its shapes went unchecked."""
-    from eyas.heads.fetch import fetch_verifier_facts
-    from eyas.heads.validate import inspect_export
+    from eyas.export.fetch import fetch_verifier_facts
+    from eyas.export.validate import inspect_export
 
     hd, _ = inspect_export(head_dir, facts)
     verifier = hd.fields.get("verifier")
@@ -155,9 +155,9 @@ def _recipe_verifier(recipe, ckpt) -> str | None:
 def run(args: argparse.Namespace) -> int:
     if args.check:
         return _check(args.check, args.target, args.json)
-    from eyas.heads.export import DTYPES, ExportFormatError, export_checkpoint, serve_command
-    from eyas.heads.hub import write_training_summary
-    from eyas.heads.validate import validate_export
+    from eyas.export.hub import write_training_summary
+    from eyas.export.validate import validate_export
+    from eyas.export.writer import DTYPES, ExportFormatError, export_checkpoint, serve_command
 
     ckpt, out, fmt, verifier = _paths(args)
     try:

@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     configs = {alg: None if alg in why_not else config for alg, config in best.items()}
     from eyas.core.acceptance import expected_tokens_per_step
     from eyas.eval.advice import advise, format_advice
-    from eyas.heads.serving_config import vllm_serve_command
+    from eyas.export.vllm_command import vllm_serve_command
 
     table = {
         alg: {str(k): {str(b): p.speedup[b][k] for b in p.concurrency} for k in p.ks}

@@ -32,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eyas.heads.hub import PushError, plan_push, push_head
-    from eyas.heads.validate import validate_export
+    from eyas.export.hub import PushError, plan_push, push_head
+    from eyas.export.validate import validate_export
 
     if args.dir and "=" in args.dir and not Path(args.dir).is_dir():  # an override, not DIR
         args.overrides, args.dir = [args.dir, *args.overrides], None

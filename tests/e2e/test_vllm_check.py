@@ -1,0 +1,138 @@
+"""Serving truth (scripts/vllm_check.py): exported heads run in a real vLLM and eyas's
+offline acceptance equals vLLM's. The lens-head construction it relies on is checked here
+on the tiny target without vLLM; the vLLM runs need .venv-vllm and take minutes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from vllm_heads import build_lens_head, lens_aux_layer_ids, reference_drafts, replay_oracle  # noqa: E402
+
+HAS_VLLM = (ROOT / ".venv-vllm" / "bin" / "python").is_file()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_llama_dir):
+    from eyas.target.load import load_target
+
+    return load_target(str(tiny_llama_dir), dtype="float32", device="cpu").model
+
+
+def _lens_states(model, ids):
+    from eyas.target.features import compute_features
+
+    layer = lens_aux_layer_ids(model.config.num_hidden_layers)[-1]
+    aux, _ = compute_features(model, torch.tensor([ids]), None, [layer])
+    return aux[0]
+
+
+def _lens_drafts(head, states, ids, k):
+    n = len(ids) - 1
+    aux = torch.zeros(n, 1, head.config.fc_in_features)
+    aux[:, 0, -states.shape[-1] :] = states[:n]
+    got, _ = head.draft(head.new_cache(), torch.tensor(ids[1:])[:, None], aux, torch.arange(n)[:, None], k)
+    return got
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(fc_norm=True, norm_output=True, norm_before_residual=True),
+        dict(algorithm="peagle", num_hidden_layers=2),
+        dict(algorithm="peagle", num_hidden_layers=2, fc_norm=True, with_vocab=True),
+    ],
+)
+def test_lens_head_drafts_what_the_reference_math_says(tiny_model, options):
+    options = dict(options)
+    with_vocab = options.pop("with_vocab", False)
+    vt = tiny_model.get_output_embeddings().weight.shape[0]
+    ids = [5, 17, 40, 40, 40, 99, 3, 250, 17, 17, 8]
+    states = _lens_states(tiny_model, ids)
+    kw = {}
+    if with_vocab:
+        kw["draft_ids"] = torch.arange(0, vt, 2)
+    if options.get("algorithm") == "peagle":
+        kw["mask_state"] = states[3]
+        options["mask_token_id"] = vt - 1
+    head = build_lens_head(tiny_model, speculative_tokens=3, **options, **kw)
+    got = _lens_drafts(head, states, ids, 3)
+    ref_kw = {k: v for k, v in options.items() if k in ("fc_norm", "norm_output", "norm_before_residual")}
+    want = reference_drafts(
+        tiny_model, states[: len(ids) - 1], 3, algorithm=options.get("algorithm", "eagle3"), **ref_kw, **kw
+    )
+    assert torch.equal(got, want)
+    if with_vocab:
+        assert bool((got % 2 == 0).all())  # only draft-vocabulary ids come out
+
+
+def test_lens_head_acceptance_equals_the_replay_oracle(tiny_model):
+    from eyas.eval.speculate import HeadDrafter, greedy_decode, speculative_decode
+
+    k, max_new = 3, 24
+    head = build_lens_head(tiny_model, speculative_tokens=k)
+    oracle, eyas = {"drafts": 0, "per_pos": [0] * k}, {"drafts": 0, "per_pos": [0] * k}
+    for prompt in ([1, 2, 3, 4], [7, 7, 7, 7, 7], [100, 50, 100, 50]):
+        plain = greedy_decode(tiny_model, prompt, max_new + k, set()).tokens
+        tr = speculative_decode(tiny_model, prompt, HeadDrafter(head), k, max_new, set())
+        assert tr.tokens == plain[:max_new]
+        seq = prompt + plain
+        states = _lens_states(tiny_model, seq)
+        guesses = reference_drafts(tiny_model, states[len(prompt) - 1 : len(seq) - 1], k)
+        r = replay_oracle(plain, guesses, k, max_new)
+        oracle["drafts"] += r["drafts"]
+        oracle["per_pos"] = [a + b for a, b in zip(oracle["per_pos"], r["accepted_per_pos"])]
+        eyas["drafts"] += len(tr.drafted)
+        for acc in tr.accepted:
+            for j in range(acc):
+                eyas["per_pos"][j] += 1
+    assert eyas == oracle
+    assert eyas["per_pos"][0] > 0, "the lens head should accept some drafts, or the test proves little"
+
+
+def test_replay_oracle_counts_accepted_prefixes():
+    tokens = [1, 1, 1, 2, 3, 3, 9, 9]
+    guesses = torch.tensor([[t, t] for t in tokens])  # "the last token again"
+    # After "1": drafts 1,1, both accepted (+ bonus 2); after "2": drafts 2,2, the target
+    # says 3: none accepted (+ bonus 3); 5 tokens are out: stop.
+    assert replay_oracle(tokens, guesses, 2, 5) == {"drafts": 2, "accepted_per_pos": [1, 1]}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason=".venv-vllm does not exist (scripts/setup_vllm_env.sh)")
+def test_vllm_serves_eyas_heads_with_eyas_acceptance(tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "vllm_check.py"),
+            "--quick",
+            "--skip-setup",
+            "--num-prompts",
+            "4",
+            "--max-tokens",
+            "32",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--json-out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
+    assert out.is_file(), proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["checks_failed"] == [], report["checks_failed"]
+    for name, entry in report["heads"].items():
+        table = entry["acceptance_table"]
+        assert [r["eyas_count"] for r in table] == [r["vllm_count"] for r in table], name
+    assert proc.returncode == 0

@@ -1,0 +1,115 @@
+"""Loading frozen targets: tiny random families, and the real SmolLM2 (slow)."""
+
+import pytest
+
+from eyas.target.load import TargetLoadError, attention_implementation, load_target
+
+
+def test_tiny_target_loads_frozen_and_exposes_hidden_states(tiny_target_dir):
+    target = load_target(str(tiny_target_dir), dtype="float32", device="cpu")
+    assert not target.model.training
+    assert all(not p.requires_grad for p in target.model.parameters())
+    ids = target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}],
+        add_generation_prompt=True,
+        return_dict=True,
+        return_tensors="pt",
+    )["input_ids"]
+    out = target.model(ids, output_hidden_states=True)
+    assert len(out.hidden_states) == target.num_layers + 1
+    assert out.hidden_states[0].shape == (1, ids.shape[1], target.hidden_size)
+    assert out.logits.shape[-1] == target.vocab_size
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gpt_oss"])
+def test_attention_is_one_the_architecture_accepts(family):
+    """GPT-OSS's class refuses SDPA on every device (a GPU included): eager on a CPU, flex
+    attention on a GPU, SDPA for the others; the model builds with the choice, and an
+    explicit request wins."""
+    from support.tiny_targets import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(family)
+    chosen = attention_implementation(cfg)
+    assert chosen == ("eager" if family == "gpt_oss" else "sdpa")
+    # on a GPU, GPT-OSS's sinks run fused (flex attention renormalises by them), never eager
+    assert attention_implementation(cfg, None, "cuda") == (
+        "flex_attention" if family == "gpt_oss" else "sdpa"
+    )
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=chosen)
+    assert model.config._attn_implementation == chosen
+    assert attention_implementation(cfg, "flex_attention") == "flex_attention"
+
+
+def test_a_cached_decode_step_continues_the_context(tiny_llama_dir):
+    """`cache=` (the keyword regeneration and eval decode through) reaches the model: a
+    step's logits equal a full forward's. transformers releases before the rename take
+    `past_key_values`, swallow `cache` and decode without the context (pyproject's floor)."""
+    import torch
+    from transformers import DynamicCache
+
+    model = load_target(str(tiny_llama_dir), dtype="float32", device="cpu").model
+    ids = torch.randint(3, 300, (1, 9), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids[:, :8], cache=cache, use_cache=True)
+    step = model(input_ids=ids[:, 8:], cache=cache, use_cache=True).logits[0, -1]
+    assert cache.get_seq_length() == 9
+    torch.testing.assert_close(step, model(input_ids=ids).logits[0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_targets_attend_with_grouped_kv_under_a_padding_mask(tiny_llama_dir, monkeypatch):
+    """On CPU a padded batch reaches torch's SDPA with the KV heads grouped (`enable_gqa`)
+    instead of copied per query head, with the logits of the copying path; a value the
+    user exported is kept."""
+    import os
+
+    import torch
+    import torch.nn.functional as F
+
+    from eyas.target.load import GQA_SDPA_ENV
+
+    monkeypatch.delenv(GQA_SDPA_ENV, raising=False)
+    model = load_target(str(tiny_llama_dir), dtype="float32", device="cpu").model
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    assert os.environ[GQA_SDPA_ENV] == "1"
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((k.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    ids = torch.randint(3, 300, (3, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = mask[2, :1] = 0  # left padding
+    grouped = model(input_ids=ids, attention_mask=mask).logits
+    assert seen and all(heads == model.config.num_key_value_heads and gqa for heads, gqa in seen)
+    seen.clear()
+    monkeypatch.setenv(GQA_SDPA_ENV, "0")
+    copied = model(input_ids=ids, attention_mask=mask).logits
+    assert seen and not any(gqa for _, gqa in seen)
+    real = mask.bool()
+    torch.testing.assert_close(grouped[real], copied[real], rtol=1e-5, atol=1e-5)
+    load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    assert os.environ[GQA_SDPA_ENV] == "0"
+
+
+def test_missing_local_target_is_a_clear_error(tmp_path):
+    for name in (str(tmp_path / "nope"), "nope", "./models/nope"):
+        with pytest.raises(TargetLoadError, match=f"target {name!r}: no such directory"):
+            load_target(name, device="cpu")
+
+
+@pytest.mark.slow
+def test_smollm2_alias_answers_paris():
+    target = load_target("smollm2-135m", device="cpu")
+    tok = target.tokenizer
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_dict=True,
+        return_tensors="pt",
+    )["input_ids"]
+    out = target.model.generate(ids, max_new_tokens=24, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1] :])
