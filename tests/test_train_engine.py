@@ -39,7 +39,7 @@ def _recipe(prepared, run_dir: Path, features="engine", capture=None, **train):
     tree["run_dir"] = str(run_dir)
     tree["data"].update(features=features, aux_layer_ids=AUX)
     tree["data"]["capture"] = capture or {}
-    tree["train"].update(max_steps=8, save_every=4, eval_every=4, log_every=1, **train)
+    tree["train"].update({"max_steps": 8, "save_every": 4, "eval_every": 4, "log_every": 1, **train})
     recipe = recipe_from_dict(tree)
     recipe.paths.root.mkdir(parents=True, exist_ok=True)
     os.symlink(prepared.paths.prepared, recipe.paths.prepared)
@@ -290,8 +290,29 @@ def test_vllm_cpu_engine_features_follow_the_transformers_loss_curve(tmp_path):
     train(online, target=target, progress=False)
     a, b = _losses(eng.paths.root), _losses(online.paths.root)
     assert a.keys() == b.keys() == set(range(1, STEPS + 1))
-    worst = max(abs(a[s] - b[s]) / b[s] for s in a)
-    print("loss by step, engine:", a, "online:", b, f"largest relative difference {worst:.2e}")
-    # states differ by ~1e-6 relative (float32, other kernels); over STEPS Adam steps the
-    # losses may drift apart by far more than that, but not by 1e-3
-    assert worst < 1e-3
+    rel = {s: abs(a[s] - b[s]) / b[s] for s in a}
+    print("loss by step, engine:", a, "online:", b, "relative difference:", rel)
+    # Step 1 is the same head on states 3e-6 apart (relative, float32; measured 2026-12-05):
+    # a smooth loss moves by about that much (measured 1e-7), 10x the state error bounds it.
+    assert rel[1] < 10 * float(error.max())
+    # Each Adam step then carries the difference on (measured: 4e-5 by step 5 of 6); 1e-3
+    # leaves 25x room for that drift.
+    assert max(rel.values()) < 1e-3
+
+
+def test_a_damaged_handover_is_named_and_the_resumed_run_asks_again(prepared, llama, tmp_path, caplog):
+    from eyas.train.loop import train
+
+    layers = engine_layer_ids(AUX, llama.num_layers)
+    hand = tmp_path / "hand"
+    with FakeStatesEngine(llama.model, layers, hand, damage="-train-e0-b2-r0") as fake:
+        capture = {"server_url": fake.url, "handover_dir": str(hand)}
+        recipe = _recipe(prepared, tmp_path / "run", capture=capture, max_steps=4, save_every=2, eval_every=0)
+        key = f"{recipe.paths.root.name}-train-e0-b2-r0"
+        with pytest.raises(EngineCaptureError, match=rf"{key}\.safetensors: checksum mismatch.*{fake.url}"):
+            train(recipe, progress=False)
+        assert sorted(p.name for p in recipe.paths.checkpoints.iterdir()) == ["step-00000002"]
+        fake.damage = None
+        assert train(recipe, progress=False)["step"] == 4
+    assert f"{key}.safetensors: checksum mismatch" in caplog.text  # named, then asked again
+    assert not list(hand.iterdir())

@@ -237,9 +237,14 @@ def _engine(recipe, head_cfg, target, accelerator, stack):
 
 
 def _load_target(recipe, device):
+    """The target on this rank: whole for online features; its embeddings, final norm and
+    LM head alone where a cache or an engine hands over the states (no copy of its layers)."""
     from eyas.target.load import load_recipe_target
 
-    return load_recipe_target(recipe.target, work_rows=recipe.train.batch_tokens, device=str(device))
+    layers = recipe.data.features == "online"
+    return load_recipe_target(
+        recipe.target, work_rows=recipe.train.batch_tokens, device=str(device), decoder_layers=layers
+    )
 
 
 def _build_head(recipe, target, device):
