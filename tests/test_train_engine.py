@@ -316,3 +316,43 @@ def test_a_damaged_handover_is_named_and_the_resumed_run_asks_again(prepared, ll
         assert train(recipe, progress=False)["step"] == 4
     assert f"{key}.safetensors: checksum mismatch" in caplog.text  # named, then asked again
     assert not list(hand.iterdir())
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_each_ask_for_their_own_batches(prepared, llama, tmp_path):
+    """Two CPU processes (DDP, gloo) against one running engine: each rank asks only for its
+    own micro-batches (every batch of the run once, none twice), and the head equals a
+    one-process run over the same global batches (grad_accum 2) within float32 sums' order."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from eyas.train.loop import train
+
+    repo = Path(__file__).resolve().parents[1]
+    layers = engine_layer_ids(AUX, llama.num_layers)
+    with FakeStatesEngine(llama.model, layers, tmp_path / "hand") as fake:
+        capture = {"server_url": fake.url, "handover_dir": str(tmp_path / "hand")}
+        steps = {"max_steps": 4, "eval_every": 0}
+        single = _recipe(prepared, tmp_path / "single", capture=capture, grad_accum=2, **steps)
+        train(single, progress=False)
+        single_batches = _batches(k for k in fake.keys if "-train-" in k)
+        fake.keys.clear()
+        two = _recipe(prepared, tmp_path / "two", capture=capture, **steps)
+        path = tmp_path / "two.yaml"
+        path.write_text(yaml.safe_dump(two.model_dump(mode="json")))
+        config = repo / "recipes" / "accelerate" / "ddp.yaml"
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+        cmd += ["--num_processes", "2", "-m", "eyas.train", "--recipe", str(path), "--no-progress"]
+        proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+        asked = [k for k in fake.keys if "-train-" in k]
+    # every key once: no rank asked for another's batch; together the single run's 8
+    assert len(set(asked)) == len(asked)
+    assert sorted(_batches(asked)) == sorted(single_batches) and len(single_batches) == 8
+    a, b = _head(single.paths.root), _head(two.paths.root)
+    assert a.keys() == b.keys()
+    diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    print(f"two ranks vs one process: max abs diff {diff:.3g}")
+    assert diff <= 1e-5
