@@ -356,3 +356,14 @@ def test_two_ddp_ranks_each_ask_for_their_own_batches(prepared, llama, tmp_path)
     diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
     print(f"two ranks vs one process: max abs diff {diff:.3g}")
     assert diff <= 1e-5
+
+
+def test_eyas_train_names_an_engine_that_does_not_answer_in_one_line(prepared, tmp_path, capsys):
+    from eyas.cli import main
+
+    recipe = _recipe(prepared, tmp_path / "run", capture={"server_url": "http://127.0.0.1:9"})
+    path = tmp_path / "r.yaml"
+    path.write_text(recipe.to_yaml())
+    assert main(["train", "--no-progress", "--no-preflight", "-r", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "data.capture.server_url http://127.0.0.1:9 does not answer" in err and "Traceback" not in err
