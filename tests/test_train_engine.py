@@ -367,3 +367,29 @@ def test_eyas_train_names_an_engine_that_does_not_answer_in_one_line(prepared, t
     assert main(["train", "--no-progress", "--no-preflight", "-r", str(path)]) == 1
     err = capsys.readouterr().err
     assert "data.capture.server_url http://127.0.0.1:9 does not answer" in err and "Traceback" not in err
+
+
+def test_a_run_launches_its_engine_and_stops_it_after(prepared, tmp_path):
+    """data.capture.launch: the run starts the engine with the connector's flags (the fake
+    reads its layers and handover directory from them), trains from it and stops it."""
+    import socket
+    import sys
+
+    import psutil
+
+    from eyas.train.loop import train
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).with_name("fake_states_engine.py")
+    target = prepared.target.name_or_path
+    capture = {
+        "launch": f"{sys.executable} {script} --target {target} --port {port}",
+        "server_url": f"http://127.0.0.1:{port}",
+    }
+    recipe = _recipe(prepared, tmp_path / "run", capture=capture, max_steps=2, eval_every=0)
+    assert train(recipe, progress=False)["step"] == 2
+    assert (recipe.paths.root / "capture_engine.log").is_file()
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(port) in " ".join(p.info["cmdline"] or [])]
+    assert not list((recipe.paths.root / "engine_states").iterdir())
