@@ -158,7 +158,7 @@ class Run:
     window_tokens: int = 0
 
 
-def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool = True, stack=None) -> Run:
+def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool, stack: ExitStack) -> Run:
     """Target, head, data, optimizer and schedule, then the checkpoint to resume from. The
     order is the run's random state (the seed, then the head's initial weights), so a rerun
     trains bit for bit the same. With data.features=engine the engine is started (or found)
@@ -172,13 +172,12 @@ def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool = Tru
     target.model.to(device)
     pad_id = getattr(target.tokenizer, "pad_token_id", None) or 0
     head, head_cfg = _build_head(recipe, target, device)
-    engine = _engine(recipe, head_cfg, target, accelerator, stack)
+    train_src = open_split(recipe, head_cfg, "train")
+    eval_src = open_split(recipe, head_cfg, "eval")
+    engine = _engine(recipe, head_cfg, target, accelerator, stack)  # once the data is there
     features = FeatureSource(
         target.model, list(head_cfg.aux_layer_ids), frozen_output(target.model), head, engine
     )
-
-    train_src = open_split(recipe, head_cfg, "train")
-    eval_src = open_split(recipe, head_cfg, "eval")
     stream = batch_stream(recipe, train_src, rank, world, pad_id=pad_id, engine=engine)
     steps_per_epoch = max(1, stream.batches_per_epoch() // (world * cfg.grad_accum))
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
@@ -228,8 +227,6 @@ def _engine(recipe, head_cfg, target, accelerator, stack):
         return None
     from eyas.train.engine_feed import training_engine
 
-    if stack is None:
-        raise ValueError("data.features=engine: setup needs an ExitStack to stop the engine in")
     say = log.info if accelerator.is_main_process else log.debug
     world = accelerator.num_processes
     ids = list(head_cfg.aux_layer_ids)
