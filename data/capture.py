@@ -303,7 +303,7 @@ def capture(
     say: Callable[[str], None] = log.info,
 ) -> dict[str, dict]:
     """The capture stage for a recipe (DESIGN §2.3): every prepared split of `splits` into
-    run_dir/cache/<split>; returns {split: manifest} ({} with data.features=online).
+    run_dir/cache/<split>; returns {split: manifest} ({} unless data.features=offline).
 
     `target` may be passed in (tests, notebooks; a `LoadedTarget`); otherwise it is loaded
     from `recipe.target`. `overwrite` deletes an existing cache of other data first. States
@@ -314,8 +314,11 @@ def capture(
     from eyas.target.features import default_aux_layer_ids
     from eyas.target.load import load_recipe_target
 
-    if recipe.data.features == "online":
-        say("capture: data.features=online: the trainer computes the features itself; nothing to capture")
+    if recipe.data.features != "offline":
+        say(
+            f"capture: data.features={recipe.data.features}: the trainer takes the states as it "
+            "trains; nothing to capture"
+        )
         return {}
     prepared, cache = recipe.paths.prepared, recipe.paths.cache
     if recipe.data.from_run:

@@ -117,12 +117,15 @@ class EngineStates:
             )
         return [have.index(i) for i in [*self.aux_layer_ids, self.num_layers]]
 
-    def _kept(self, key: str, ids: list[int]) -> torch.Tensor | None:
+    def _kept(self, key: str, ids: list[int], asked: bool = False) -> torch.Tensor | None:
         """A key's states already in the handover directory (a killed run's), if intact and
-        of the same tokens; anything else there is named and asked for again."""
+        of the same tokens; anything else there is named and asked for again. `asked`: the
+        engine was just asked and wrote them, so a damaged record is an error naming it."""
         try:
             got = read_states(self.handover_dir, key)
         except HandoverError as err:
+            if asked:
+                raise EngineCaptureError(f"{err}: the engine at {self.url} handed it over so") from None
             log.warning("%s; asking the engine again", err)
             remove_states(self.handover_dir, key)
             return None
@@ -160,7 +163,7 @@ class EngineStates:
         # the connector writes after the request ends, in the engine's next step
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
-        while (states := self._kept(key, ids)) is None:
+        while (states := self._kept(key, ids, asked=True)) is None:
             if loop.time() > deadline:
                 raise EngineCaptureError(
                     f"{self.handover_dir / key}.json: not written {self.timeout_s:.0f} s after the request "

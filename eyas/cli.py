@@ -77,6 +77,7 @@ KNOWN_FAILURES = {
     "eyas.export.writer": ("ExportFormatError",),
     "eyas.export.hub": ("PushError",),
     "eyas.train.loop": ("TrainingStopped",),
+    "eyas.train.engine_feed": ("EngineFeedError",),
     "eyas.train.checkpoint": ("UnsafeCheckpointError", "CheckpointMismatchError"),
     "eyas.train.run_settings": ("RerunRefused",),
 }

@@ -219,8 +219,10 @@ def preflight(
         stages.append(_regenerate_stage(recipe, hw, size, target_weights, budget, gpus, unit))
     tokens, seq = _micro_batch_tokens(recipe)
     forward = _forward_bytes(size, shape, tokens, seq, attention, unit)
-    if recipe.data.features == "offline" and recipe.data.capture.backend == "vllm":
-        stages.append(_capture_engine_stage(recipe, hw, size, target_weights, gpus, unit, n_aux))
+    features = recipe.data.features
+    if features == "engine" or (features == "offline" and recipe.data.capture.backend == "vllm"):
+        name = "engine" if features == "engine" else "capture"
+        stages.append(_capture_engine_stage(recipe, hw, size, target_weights, gpus, unit, n_aux, name))
     elif recipe.data.features == "offline":
         ctoks = max(recipe.data.capture_batch_tokens, seq)
         per = {"target weights": target_weights, **_forward_bytes(size, shape, ctoks, seq, attention, unit)}
@@ -246,7 +248,9 @@ def preflight(
     st.notes.append(
         f"micro-batch {tokens} tokens (longest sequence {seq}), head {params / 1e9:.2f} B parameters"
     )
-    if not st.fits:
+    if features == "engine":
+        _beside_the_engine(recipe, st, hw, n_aux * tokens * size.hidden_size * unit)
+    if not st.fits and not st.knob:  # the engine's share, where it took the room, named first
         st.knob = _train_knob(recipe, st, strategy, world, tokens)
     stages.append(st)
     disk = {}
@@ -312,17 +316,16 @@ def _engine_problem(st: StagePlan, lay: dict, gpus: int, seqs: int, max_length: 
         st.knob = f"--max-model-len in {setting} (at least data.max_length)"
 
 
-def _capture_engine_stage(recipe, hw, size, weights, gpus, unit, n_states) -> StagePlan:
-    """The capture through a vLLM engine (data.capture.backend vllm, DESIGN §2.3): the
-    engine holds the target split over TP and eyas's process none of it. A sequence in
-    flight takes its KV (split over TP) and its states (the aux layers and the last, whole
-    on every rank) in the engine's cache."""
+def _capture_engine_stage(recipe, hw, size, weights, gpus, unit, n_states, name) -> StagePlan:
+    """A vLLM engine's states (data.capture.backend vllm, data.features engine; DESIGN §2.3):
+    it holds the target split over TP, eyas's process none of it. A sequence in flight
+    takes its KV (over TP) and its states (aux and last, whole per rank) in its cache."""
     c, max_length = recipe.data.capture, recipe.data.max_length
     lay = launch_layout(c.launch, gpus)
     tp, dp = lay["tp"], lay["dp"]
     share = hw.memory_bytes * lay["utilization"]
     per = {"target weights / TP": weights / tp, "engine workspace": ENGINE_WORKSPACE_BYTES}
-    st = StagePlan("capture", per, share, _capture_seconds(hw, size, tp * dp))
+    st = StagePlan(name, per, share, _capture_seconds(hw, size, tp * dp))
     if not c.launch:
         st.notes.append("vllm backend without launch: the engine runs elsewhere or on the CPU; not checked")
         st.per_rank = {}
@@ -338,6 +341,20 @@ def _capture_engine_stage(recipe, hw, size, weights, gpus, unit, n_states) -> St
     )
     _engine_problem(st, lay, gpus, seqs, max_length, "data.capture.launch")
     return st
+
+
+def _beside_the_engine(recipe, st: StagePlan, hw, states_bytes: float) -> None:
+    """data.features=engine: no target copy per rank; an engine eyas launches takes its
+    --gpu-memory-utilization of the ranks' GPUs while they train."""
+    c = recipe.data.capture
+    ahead = f"{c.prefetch_batches} batches ahead: {c.prefetch_batches * states_bytes / GB:.2f} GB"
+    st.notes.append(f"data.features=engine: no target copy per rank; {ahead} of host memory per rank")
+    if c.launch:
+        share = launch_layout(c.launch, 0)["utilization"]
+        st.budget = hw.memory_bytes * (1 - share) * (1 - FRAGMENTATION) - CONTEXT_BYTES
+        st.notes.append(f"the engine (data.capture.launch) holds {share:.0%} of each GPU beside the ranks")
+        if not st.fits:
+            st.knob = "the engine on other GPUs (data.capture.server_url), or less --gpu-memory-utilization"
 
 
 def _train_seconds(recipe, hw, size, params, tokens, seq, world, online) -> float:

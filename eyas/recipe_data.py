@@ -86,6 +86,9 @@ class CaptureSection(StrictSection):
     concurrency: int = Field(8, ge=1)  # requests in flight
     request_timeout_s: float = Field(600.0, gt=0)
     launch_timeout_s: float = Field(1800.0, gt=0)
+    # data.features=engine: micro-batches whose states are asked for ahead of the one being
+    # trained (the bounded queue, train/engine_feed.py); each holds a batch of states in memory
+    prefetch_batches: int = Field(4, ge=1)
 
 
 class DataSection(StrictSection):
@@ -117,7 +120,10 @@ class DataSection(StrictSection):
     # are (e.g. a P-EAGLE head on the EAGLE-3 quickstart's data): `eyas prepare` and
     # `eyas capture` only check that they are there; that run's recipe makes them.
     from_run: str | None = None
-    features: Literal["offline", "online"] = "offline"  # capture cache, or target on the fly
+    # offline: the capture's cache. online: the target runs inside the trainer. engine: a vLLM
+    # engine (data.capture's launch / server_url / embedded vLLM-CPU) computes the states of the
+    # batches about to be trained, nothing kept on disk (DESIGN §2.3)
+    features: Literal["offline", "online", "engine"] = "offline"
     aux_layer_ids: list[NonNegativeInt] | None = None  # None: (2, L//2, L-3)
     cache_dtype: Literal["bf16", "fp8"] = "bf16"
     shard_tokens: int = Field(262_144, ge=1)

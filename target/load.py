@@ -249,6 +249,7 @@ def load_target(
     revision: str | None = None,
     work_rows: int = 64,
     dequantize: bool = False,
+    decoder_layers: bool = True,
 ) -> Target:
     """Load a frozen causal LM and its tokenizer.
 
@@ -258,6 +259,8 @@ def load_target(
     `bfloat16`, `float16`, `float32`. On a GPU the weights load straight onto `device`
     (`device_map`), never a whole copy on the host per rank. A quantized checkpoint stays
     quantized (target/quantized.py) unless `dequantize` accepts bf16.
+    `decoder_layers=False`: the embeddings, final norm and LM head only (a trainer fed
+    states by a cache or an engine; the config still names every layer, the model has none).
     Returns a `Target` whose model is in eval mode with requires_grad False everywhere.
     """
     from transformers import AutoModelForCausalLM
@@ -272,6 +275,10 @@ def load_target(
     # Every rank reads its shards straight onto its own GPU: without a device_map each of 8
     # ranks would first build the whole model in host memory.
     placed = {"device_map": {"": dev}} if dev.type != "cpu" else {}
+    report, quiet = logging.getLogger("transformers.modeling_utils"), _LayersUnread()
+    if not decoder_layers:
+        placed["config"], restore = _without_decoder_layers(config)
+        report.addFilter(quiet)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path,
@@ -284,7 +291,13 @@ def load_target(
         )
     except OSError as err:
         raise TargetLoadError(_unloadable(name_or_path, "weights", err)) from None
-    check_still_quantized(model, config, dequantize, name_or_path)
+    finally:
+        report.removeFilter(quiet)
+    if decoder_layers:
+        check_still_quantized(model, config, dequantize, name_or_path)
+    else:  # no quantized layer was read; the config describes the whole target again
+        for key, value in restore.items():
+            setattr(text_config(model.config), key, value)
     tokenizer = load_tokenizer(name_or_path, revision, trust_remote_code)
     if not placed:
         model.to(dev)
@@ -295,8 +308,31 @@ def load_target(
     return Target(model=freeze(model), tokenizer=tokenizer, path=path, hub_id=hub_id)
 
 
+class _LayersUnread(logging.Filter):
+    """Drops transformers' load report when all it lists is the unread layers' weights
+    (UNEXPECTED); a report of missing or mismatched weights still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return "UNEXPECTED" not in msg or "MISSING" in msg or "MISMATCH" in msg
+
+
+def _without_decoder_layers(config):
+    """A copy of `config` whose model builds no decoder layer (their weights are skipped at
+    load), and the fields to set back on the loaded model's config."""
+    import copy
+
+    cfg = copy.deepcopy(config)
+    text = text_config(cfg)
+    restore = {k: getattr(text, k) for k in ("num_hidden_layers", "layer_types") if hasattr(text, k)}
+    text.num_hidden_layers = 0
+    if "layer_types" in restore:
+        text.layer_types = []
+    return cfg, restore
+
+
 def load_recipe_target(
-    section, work_rows: int, dtype: str | None = None, device: str | None = None
+    section, work_rows: int, dtype: str | None = None, device: str | None = None, decoder_layers: bool = True
 ) -> Target:
     """`load_target` with the settings of a recipe's `target` section; a stage may ask for
     another dtype or device (eval's float32, the trainer's accelerator device)."""
@@ -309,6 +345,7 @@ def load_recipe_target(
         section.revision,
         work_rows=work_rows,
         dequantize=section.dequantize,
+        decoder_layers=decoder_layers,
     )
 
 

@@ -200,6 +200,12 @@ class BatchStream:
     def tokens_per_epoch(self) -> int:
         return sum(self.lengths[i] for b in self.plan(self.position.epoch) for i in b)
 
+    def limit(self, batches: int | None) -> None:
+        """How many more batches will be read: nothing is read ahead here, so unused."""
+
+    def close(self) -> None:
+        """Nothing to release (train/engine_feed.py's stream has)."""
+
     def __iter__(self) -> Iterator[dict]:
         return self
 

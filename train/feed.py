@@ -1,6 +1,6 @@
 """What a training step reads (DESIGN §2.4): each split's sample source (the feature
 cache, checked against the prepared data and the head, or the prepared dataset for
-online features), its batch stream, and the features and target labels a batch lacks."""
+online and engine features), its batch stream, and the features and target labels a batch lacks."""
 
 from __future__ import annotations
 
@@ -17,13 +17,15 @@ def to_device(batch: dict, device) -> dict:
 
 
 class FeatureSource:
-    """Adds aux / last to a batch: already there (offline cache) or computed by the frozen
-    target (online), and the target labels. Which label slots are valid (the target's
+    """Adds aux / last to a batch: already there (offline cache, or the engine's, whose
+    client `engine` the batch streams take) or computed by the frozen target (online), and
+    the target labels. Which label slots are valid (the target's
     argmax inside the draft vocabulary) is remembered per sample (`batch["index"]`), so
     later epochs multiply only the draft rows of the target's LM head."""
 
-    def __init__(self, target_model, aux_layer_ids: list[int], output: FrozenOutput, head):
+    def __init__(self, target_model, aux_layer_ids: list[int], output: FrozenOutput, head, engine=None):
         self.target_model = target_model
+        self.engine = engine
         self.aux_layer_ids = aux_layer_ids
         self.output = output
         self.lm_head = draft_first_lm_head(output.lm_head_weight, head.draft_token_ids())
@@ -98,9 +100,17 @@ def open_split(recipe, head_cfg, split: str):
     return dd[split]
 
 
-def batch_stream(recipe, source, rank, world, position=None, pad_id=0) -> BatchStream:
+def batch_stream(recipe, source, rank, world, position=None, pad_id=0, engine=None, split="train"):
     """This rank's stream over a split: the feature cache's samples (offline features) or
-    the prepared dataset's, packed as `train.*` says."""
+    the prepared dataset's, packed as `train.*` says; with `engine` (data.features=engine)
+    its batches carry the engine's states (train/engine_feed.py)."""
     packing = Packing.from_train(recipe.train)
     samples = cache_samples(source) if recipe.data.features == "offline" else dataset_samples(source, packing)
-    return BatchStream(*samples, packing, rank, world, pad_id, position)
+    stream = BatchStream(*samples, packing, rank, world, pad_id, position)
+    if engine is None:
+        return stream
+    from eyas.train.engine_feed import EngineBatches, key_tag
+
+    n_aux = len(engine.aux_layer_ids)
+    tag = key_tag(f"{recipe.paths.root.name}-{split}")
+    return EngineBatches(stream, engine, n_aux, recipe.data.capture.prefetch_batches, tag)

@@ -15,6 +15,7 @@ import logging
 import math
 import time
 import uuid
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,35 +70,41 @@ def train(
     if earlier.finished and not earlier.changes:
         return _already_finished(recipe, accelerator, earlier)
 
-    run = setup(recipe, target, accelerator, earlier, progress)
-    try:
-        while run.state.step < run.total:
-            skipped = train_step(run)
-            run.state.step += 1
-            run.bar.update(1)
-            _count_skipped(run, skipped)
-            if _due(run.state.step, cfg.log_every, run.total):
-                _log_train(run)
-            if run.eval_src is not None and _due(run.state.step, cfg.eval_every, run.total):
-                run.last_eval = evaluate(
-                    accelerator, run.model, run.features, recipe, run.eval_src, run.pad_id
-                )
-                if run.last_eval:
-                    run.logger.log(run.last_eval, run.state.step)
-            if cfg.save_every > 0 and run.state.step % cfg.save_every == 0 and run.state.step < run.total:
-                checkpoint(run)
-        if run.saved_at != run.state.step:
-            checkpoint(run)
-        save_final_head(run)
-        # every rank done with its collectives before any destroys the process group; one
-        # left to the interpreter's exit can abort a rank there (gloo's threads, see
-        # train/__main__.py), failing a launch whose training succeeded
-        accelerator.wait_for_everyone()
-        accelerator.end_training()
-    finally:
-        run.bar.close()
-        run.logger.close()
+    with ExitStack() as stack:  # the engine of data.features=engine, stopped on any exit
+        run = setup(recipe, target, accelerator, earlier, progress, stack)
+        try:
+            _train_steps(run)
+        finally:
+            run.stream.close()
+            run.bar.close()
+            run.logger.close()
     return _summary(run)
+
+
+def _train_steps(run) -> None:
+    """Step, evaluate and checkpoint until the run's last step; save the head."""
+    cfg, accelerator, recipe = run.recipe.train, run.accelerator, run.recipe
+    while run.state.step < run.total:
+        skipped = train_step(run)
+        run.state.step += 1
+        run.bar.update(1)
+        _count_skipped(run, skipped)
+        if _due(run.state.step, cfg.log_every, run.total):
+            _log_train(run)
+        if run.eval_src is not None and _due(run.state.step, cfg.eval_every, run.total):
+            run.last_eval = evaluate(accelerator, run.model, run.features, recipe, run.eval_src, run.pad_id)
+            if run.last_eval:
+                run.logger.log(run.last_eval, run.state.step)
+        if cfg.save_every > 0 and run.state.step % cfg.save_every == 0 and run.state.step < run.total:
+            checkpoint(run)
+    if run.saved_at != run.state.step:
+        checkpoint(run)
+    save_final_head(run)
+    # every rank done with its collectives before any destroys the process group; one
+    # left to the interpreter's exit can abort a rank there (gloo's threads, see
+    # train/__main__.py), failing a launch whose training succeeded
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
 
 
 # --- a run that had finished --------------------------------------------------------
@@ -151,10 +158,11 @@ class Run:
     window_tokens: int = 0
 
 
-def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool = True) -> Run:
+def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool, stack: ExitStack) -> Run:
     """Target, head, data, optimizer and schedule, then the checkpoint to resume from. The
     order is the run's random state (the seed, then the head's initial weights), so a rerun
-    trains bit for bit the same."""
+    trains bit for bit the same. With data.features=engine the engine is started (or found)
+    here and entered into `stack`, which stops it."""
     cfg = recipe.train
     device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
     torch.manual_seed(cfg.seed)
@@ -164,11 +172,13 @@ def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool = Tru
     target.model.to(device)
     pad_id = getattr(target.tokenizer, "pad_token_id", None) or 0
     head, head_cfg = _build_head(recipe, target, device)
-    features = FeatureSource(target.model, list(head_cfg.aux_layer_ids), frozen_output(target.model), head)
-
     train_src = open_split(recipe, head_cfg, "train")
     eval_src = open_split(recipe, head_cfg, "eval")
-    stream = batch_stream(recipe, train_src, rank, world, pad_id=pad_id)
+    engine = _engine(recipe, head_cfg, target, accelerator, stack)  # once the data is there
+    features = FeatureSource(
+        target.model, list(head_cfg.aux_layer_ids), frozen_output(target.model), head, engine
+    )
+    stream = batch_stream(recipe, train_src, rank, world, pad_id=pad_id, engine=engine)
     steps_per_epoch = max(1, stream.batches_per_epoch() // (world * cfg.grad_accum))
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
 
@@ -201,6 +211,7 @@ def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool = Tru
     )
     if earlier.latest is not None:
         _resume(run, earlier)
+    stream.limit((total - run.state.step) * cfg.grad_accum)
     if not run.state.logger_run_id:
         run.state.logger_run_id = uuid.uuid4().hex[:12]
     run.logger = _open_logger(recipe, accelerator, run.saved_at if earlier.latest else None, run.state)
@@ -210,10 +221,27 @@ def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool = Tru
     return run
 
 
+def _engine(recipe, head_cfg, target, accelerator, stack):
+    """data.features=engine: the client of the engine that computes the states, else None."""
+    if recipe.data.features != "engine":
+        return None
+    from eyas.train.engine_feed import training_engine
+
+    say = log.info if accelerator.is_main_process else log.debug
+    world = accelerator.num_processes
+    ids = list(head_cfg.aux_layer_ids)
+    return stack.enter_context(training_engine(recipe, ids, target.num_layers, world, say))
+
+
 def _load_target(recipe, device):
+    """The target on this rank: whole for online features; its embeddings, final norm and
+    LM head alone where a cache or an engine hands over the states (no copy of its layers)."""
     from eyas.target.load import load_recipe_target
 
-    return load_recipe_target(recipe.target, work_rows=recipe.train.batch_tokens, device=str(device))
+    layers = recipe.data.features == "online"
+    return load_recipe_target(
+        recipe.target, work_rows=recipe.train.batch_tokens, device=str(device), decoder_layers=layers
+    )
 
 
 def _build_head(recipe, target, device):
@@ -427,7 +455,7 @@ def evaluate(accelerator, model, features: FeatureSource, recipe, source, pad_id
     summed over ranks."""
     cfg = recipe.train
     world, rank = accelerator.num_processes, accelerator.process_index
-    stream = batch_stream(recipe, source, rank, world, pad_id=pad_id)
+    stream = batch_stream(recipe, source, rank, world, pad_id=pad_id, engine=features.engine, split="eval")
     stream.multiple_of = world
     try:
         n = stream.batches_per_epoch() // world
@@ -435,13 +463,17 @@ def evaluate(accelerator, model, features: FeatureSource, recipe, source, pad_id
         return {}
     if cfg.eval_batches is not None:
         n = min(n, cfg.eval_batches)
+    stream.limit(n)
     meter = AccuracyMeter()
     model.eval()
-    with torch.no_grad():
-        for _ in range(n):
-            batch, labels = features.complete(to_device(next(stream), accelerator.device), split="eval")
-            with accelerator.autocast():
-                meter.add(model(batch, labels, None))
+    try:
+        with torch.no_grad():
+            for _ in range(n):
+                batch, labels = features.complete(to_device(next(stream), accelerator.device), split="eval")
+                with accelerator.autocast():
+                    meter.add(model(batch, labels, None))
+    finally:
+        stream.close()
     model.train()
     sum_counts_over_ranks(accelerator, meter)
     return meter.summary("eval/") if meter.batches else {}

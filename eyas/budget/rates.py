@@ -64,7 +64,7 @@ def estimate(rates: Rates, recipe, max_samples: int, epochs: float) -> dict[str,
     # held-out passes: forward only, about a third of a training step each
     evals = (steps // max(1, tr.eval_every * tr.grad_accum)) * tr.eval_batches * rates.step_s / 3
     train = rates.train_warmup_s + first * rates.step_s + (steps - first) * rates.later_step_s + evals
-    if cfg.features == "online":  # the target runs inside the trainer, every epoch
+    if cfg.features != "offline":  # the target (or engine) runs as the trainer reads, every epoch
         captured, train = 0.0, train + forward * epochs
     turns = 2 if recipe.eval.workload == "mtbench" else 1
     prompts = recipe.eval.max_prompts or 80

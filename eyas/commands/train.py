@@ -1,7 +1,9 @@
 """eyas train: train the draft head a recipe describes (DESIGN §2.4).
 
-Reads run_dir/prepared (token frequencies; the dataset in online mode) and, with
-data.features=offline, run_dir/cache from `eyas capture`. Writes run_dir/recipe.yaml,
+Reads run_dir/prepared (token frequencies; the dataset in online and engine mode) and,
+with data.features=offline, run_dir/cache from `eyas capture`; with data.features=engine
+the states come from the vLLM engine data.capture describes (started and stopped by the
+run, or running at data.capture.server_url). Writes run_dir/recipe.yaml,
 metrics (run_dir/metrics.jsonl, tensorboard/ or wandb/), checkpoints every
 train.save_every steps under run_dir/checkpoints/step-N (full state; a rerun resumes from
 the newest) and the trained head in run_dir/checkpoints/final (read by `eyas export`).

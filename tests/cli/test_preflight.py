@@ -142,3 +142,26 @@ def test_the_vllm_capture_backend_holds_no_target_copy_and_checks_its_launch_lin
     too_wide = [*over[:2], f"data.capture.launch={launch.replace('-tp 8', '-tp 16')}"]
     bad = next(s for s in preflight(load_recipe(BIG, too_wide), "H200", 8).stages if s.stage == "capture")
     assert not bad.fits and "data.capture.launch" in bad.knob
+
+
+def test_engine_features_plan_no_target_copy_per_rank_and_the_engine_beside_the_ranks():
+    """data.features=engine: the train stage holds no target weights (online's does), the
+    engine stage its weights over TP; an engine eyas launches on the ranks' GPUs leaves
+    them only what --gpu-memory-utilization does not take, and says what to change."""
+    online = preflight(load_recipe(BIG, ["data.features=online"]), "H200", 8)
+    on_train = next(s for s in online.stages if s.stage == "train")
+    url = ["data.features=engine", "data.capture.server_url=http://engine:8000"]
+    plan = preflight(load_recipe(BIG, url), "H200", 8)
+    train = next(s for s in plan.stages if s.stage == "train")
+    engine = next(s for s in plan.stages if s.stage == "engine")
+    assert "target weights" in on_train.per_rank and "target weights" not in train.per_rank
+    assert train.peak < on_train.peak and train.budget == on_train.budget
+    assert any("no target copy per rank" in n for n in train.notes)
+    assert "runs elsewhere" in engine.notes[0] and not any(s.stage == "capture" for s in plan.stages)
+    assert not plan.disk  # no feature cache
+    launch = "vllm serve openai/gpt-oss-120b -tp 8 --max-model-len 16384"
+    beside = preflight(load_recipe(BIG, [*url[:1], f"data.capture.launch={launch}"]), "H200", 8)
+    tr = next(s for s in beside.stages if s.stage == "train")
+    assert "target weights / TP" in next(s for s in beside.stages if s.stage == "engine").per_rank
+    assert tr.budget < 0.11 * train.budget and not tr.fits
+    assert "data.capture.server_url" in tr.knob

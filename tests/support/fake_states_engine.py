@@ -5,7 +5,9 @@ prompt and writes the states in the handover format (data/vllm_plugin/eyas_state
 as the connector does after the request ends (so the response comes before the record).
 
 Faults for tests: `no_connector` answers without `kv_transfer_params` (an engine started
-without eyas's flags); `silent` answers but never writes.
+without eyas's flags); `silent` answers but never writes; `die_on` (a substring of a key)
+drops that request's connection and every later one's, as an engine that died; `damage`
+(a substring of a key) flips a byte of that request's tensor file after writing it.
 
 Also a script taking the flags eyas adds to a launch line (`--speculative-config`,
 `--kv-transfer-config`): `python tests/support/fake_states_engine.py --target DIR --port N ...`
@@ -21,9 +23,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class FakeStatesEngine:
-    def __init__(self, model, layer_ids, handover_dir, port=0, no_connector=False, silent=False):
+    def __init__(
+        self,
+        model,
+        layer_ids,
+        handover_dir,
+        port=0,
+        no_connector=False,
+        silent=False,
+        die_on=None,
+        damage=None,
+    ):
         self.model, self.layer_ids, self.dir = model, sorted(layer_ids), handover_dir
-        self.no_connector, self.silent = no_connector, silent
+        self.no_connector, self.silent, self.die_on = no_connector, silent, die_on
+        self.dead, self.damage = False, damage
         self.keys: list[str] = []  # the keys asked for, in arrival order
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
@@ -51,6 +64,13 @@ class FakeStatesEngine:
         H = last.shape[-1]
         states = torch.cat([aux[0].reshape(len(ids), len(inner), H), last[0][:, None]], dim=1)
         write_states(self.dir, key, states, x[0], self.layer_ids, "fake")
+        if self.damage is not None and self.damage in key:
+            from pathlib import Path
+
+            path = Path(self.dir) / f"{key}.safetensors"
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF
+            path.write_bytes(bytes(data))
 
     def complete(self, body: dict) -> tuple[int, dict]:
         key = (body.get("kv_transfer_params") or {}).get("eyas_key")
@@ -89,6 +109,11 @@ class FakeStatesEngine:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path != "/v1/completions":
                     self._send(404, {"error": self.path})
+                    return
+                key = (body.get("kv_transfer_params") or {}).get("eyas_key") or ""
+                if engine.die_on is not None and (engine.dead or engine.die_on in key):
+                    engine.dead = True
+                    self.close_connection = True  # no answer: the client sees the connection drop
                     return
                 self._send(*engine.complete(body))
 

@@ -113,3 +113,22 @@ def test_smollm2_alias_answers_paris():
     )["input_ids"]
     out = target.model.generate(ids, max_new_tokens=24, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids.shape[1] :])
+
+
+def test_a_target_without_decoder_layers_keeps_its_embeddings_head_and_config(tiny_llama_dir, caplog):
+    """What a trainer fed states by a cache or an engine loads: no decoder layer, the same
+    embeddings, final norm and LM head as the whole target, a config naming every layer,
+    and no load report listing the layers it skipped."""
+    import torch
+
+    from eyas.target.features import target_norm_and_lm_head
+
+    whole = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    caplog.clear()
+    bare = load_target(str(tiny_llama_dir), dtype="float32", device="cpu", decoder_layers=False)
+    assert len(bare.model.model.layers) == 0 and bare.num_layers == whole.num_layers > 0
+    assert "UNEXPECTED" not in caplog.text
+    assert torch.equal(bare.model.get_input_embeddings().weight, whole.model.get_input_embeddings().weight)
+    for a, b in zip(target_norm_and_lm_head(bare.model), target_norm_and_lm_head(whole.model)):
+        assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert sum(p.numel() for p in bare.model.parameters()) < sum(p.numel() for p in whole.model.parameters())
