@@ -121,15 +121,20 @@ def test_segments_give_the_unsegmented_loss_and_gradients():
         )
 
 
-@pytest.mark.parametrize("seg", [None, 6])
-def test_loss_equals_the_mean_soft_cross_entropy_over_every_labelled_element(seg):
+@pytest.mark.parametrize("seg,loss", [(None, "kl"), (6, "kl"), (None, "tv"), (6, "tv"), (None, "lk")])
+def test_loss_equals_the_mean_loss_over_every_labelled_element(seg, loss):
     """The loss runs the LM head on the labelled elements only, in padded row and element
-    counts; it must equal the soft cross-entropy of the full logits of the unpadded
-    elements, and so must its gradients."""
+    counts; it must equal `train.loss` (soft cross-entropy, total variation, or their LK
+    blend with one weight per depth) of the full logits of the unpadded elements, and so
+    must its gradients."""
     head, batch = _double_head_and_batch(5, layers=1, b=3, t=19)
     batch["attention_mask"][1, 12:] = 0
     labels = _random_labels(batch["attention_mask"], V, torch.Generator().manual_seed(2))
-    cfg = TrainSection(peagle={"num_depths": 4, "cod_r": 0.6, "cod_r_min": 0.1, "segment_length": seg})
+    cfg = TrainSection(
+        loss=loss,
+        lk_eta=1.5,
+        peagle={"num_depths": 4, "cod_r": 0.6, "cod_r_min": 0.1, "segment_length": seg},
+    )
     stats = peagle_loss(head, batch, labels, cfg, torch.Generator().manual_seed(3))
     stats.loss.backward()
     fast = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
@@ -139,7 +144,12 @@ def test_loss_equals_the_mean_soft_cross_entropy_over_every_labelled_element(seg
     target = labels.logits.gather(1, slot[..., None].expand(-1, -1, V))
     logits = peagle_forward(head, el, batch["input_ids"], batch["aux"])
     probs = torch.softmax(target[valid], dim=-1)  # float64 throughout
-    reference = -(probs * torch.log_softmax(logits[valid], dim=-1)).sum(-1).mean()
+    ce = -(probs * torch.log_softmax(logits[valid], dim=-1)).sum(-1)
+    tv = 0.5 * (probs - torch.softmax(logits[valid], dim=-1)).abs().sum(-1)
+    depth = el.depth[valid]
+    alpha = (1 - tv).detach()
+    lam = torch.stack([torch.exp(-1.5 * alpha[depth == d].mean()) for d in range(4)])[depth]
+    reference = {"kl": ce, "tv": tv, "lk": lam * ce + (1 - lam) * tv}[loss].mean()
     reference.backward()
     # float32-level agreement: the head's RMSNorm computes in float32 even in a float64 head
     torch.testing.assert_close(stats.loss.detach(), reference.detach(), rtol=1e-6, atol=1e-9)

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from eyas.heads.peagle import PEagleHead
 from eyas.train.batching import round_up
 from eyas.train.fastpath import ROW_MULTIPLE, padded_rows
-from eyas.train.losses import TargetLabels, soft_cross_entropy_rows
+from eyas.train.losses import TargetLabels, loss_rows, loss_terms_rows
 from eyas.train.masks import peagle_block_mask, peagle_dense_mask
 from eyas.train.step_stats import StepStats
 
@@ -173,12 +173,14 @@ def segment_keeps(keep: torch.Tensor, t: int, num_depths: int, segment_length: i
 
 
 def _segment_loss(
-    head, elements: PEagleElements, bi, li, target_rows, input_ids, aux, weight, compile_mode: str = "off"
+    head, elements: PEagleElements, bi, li, target_rows, input_ids, aux, weight, depth, train_cfg
 ):
-    """The segment's share of the loss (its per-element soft CE weighted by `weight` [N])
-    plus, detached, the per-element CE [N] and draft argmax [N] for elements (bi, li).
-    The LM head and the loss run on those N rows only (most of a segment's elements are
-    padding or have no label), rounded up to ROW_MULTIPLE with weight-0 copies of row 0."""
+    """The segment's share of the loss (its per-element `train.loss` weighted by `weight`
+    [N]) plus, detached, the per-element loss [N] and draft argmax [N] for elements
+    (bi, li) of depths `depth` [N] (the LK weight is one per depth, over this segment's
+    elements). The LM head and the loss run on those N rows only (most of a segment's
+    elements are padding or have no label), rounded up to ROW_MULTIPLE with weight-0
+    copies of row 0."""
     h = peagle_hidden(head, elements, input_ids, aux)
     n = bi.numel()
     if n == 0:
@@ -186,11 +188,14 @@ def _segment_loss(
         empty = h.new_zeros(0)
         return head.lm_head(head.norm(h[:, :1])).sum() * 0.0, empty, empty.long()
     bi, li, weight = padded_rows(bi, fill=0), padded_rows(li, fill=0), padded_rows(weight, fill=0)
+    group = padded_rows(depth, fill=-1)  # the added rows count in no depth's LK weight
     target_rows = padded_rows(target_rows)
     rows = head.lm_head(head.norm(h[bi, li]))
     acc = torch.promote_types(rows.dtype, torch.float32)  # >= fp32 under bf16 autocast
-    ce, top = soft_cross_entropy_rows(rows, torch.softmax(target_rows.to(acc), dim=-1), compile_mode)
-    return (ce * weight.to(ce.dtype)).sum(), ce.detach()[:n], top[:n]
+    probs = torch.softmax(target_rows.to(acc), dim=-1)
+    ce, tv, top = loss_terms_rows(rows, probs, train_cfg.loss, train_cfg.compile_loss)
+    per_row = loss_rows(train_cfg.loss, ce, tv, group, train_cfg.lk_eta)
+    return (per_row * weight.to(per_row.dtype)).sum(), per_row.detach()[:n], top[:n]
 
 
 def element_weights(
@@ -229,7 +234,7 @@ def _segments_on_every_rank(head, n: int, device) -> int:
 def peagle_loss(
     head: PEagleHead, batch: dict, labels: TargetLabels, train_cfg, generator: torch.Generator | None
 ) -> StepStats:
-    """COD-sampled P-EAGLE loss of a batch: the weighted mean soft cross-entropy over every
+    """COD-sampled P-EAGLE loss of a batch: the weighted mean `train.loss` over every
     kept element whose label slot is valid (`element_weights`: each element alike, or each
     depth alike), with per-depth losses, hits and counts.
 
@@ -269,7 +274,8 @@ def peagle_loss(
             input_ids,
             aux,
             depth_weight[elements.depth[bi, li]],
-            train_cfg.compile_loss,
+            elements.depth[bi, li],
+            train_cfg,
         )
         if len(segments) > 1:
             seg_loss, ce, pred = checkpoint(_segment_loss, *args, use_reentrant=False)
