@@ -8,7 +8,9 @@ of the same anchor one depth deeper. So the kept set is prefix-closed per anchor
 (p, d) is kept only if (p, d-1) is. With n real slots, (p, d) exists for p + d < n (its
 position is a real slot), so depth d has n - d candidates and keeps
 min(⌊(n - d) · max(r^d, r_min)⌋, children of depth d-1 that exist) of them, drawn
-uniformly without replacement from those children. Depth 0 keeps every real slot.
+uniformly without replacement from those children (with `cod_labelled_only`, from the
+children on a chain that carries a label: `labelled_chains`). Depth 0 keeps every real
+slot.
 
 Layout. Per sample, elements live on a grid of D·T cells (cell d·T + p = (p, d)); the kept
 cells are compacted in that order (depth-major, anchor-minor) and padded to the longest
@@ -42,15 +44,24 @@ def cod_depth_counts(n_valid: int, num_depths: int, r: float, r_min: float) -> l
 
 
 def cod_sample(
-    n_valid: int, num_depths: int, r: float, r_min: float, generator: torch.Generator | None = None
+    n_valid: int,
+    num_depths: int,
+    r: float,
+    r_min: float,
+    generator: torch.Generator | None = None,
+    useful: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Kept anchors per depth for one sequence of n_valid real slots: a list of
-    num_depths sorted long tensors (depth 0 = arange(n_valid)); prefix-closed per anchor."""
+    num_depths sorted long tensors (depth 0 = arange(n_valid)); prefix-closed per anchor.
+    `useful` [num_depths, n_valid] bool (`labelled_chains`): a deeper element is drawn
+    only among anchors marked at its depth; None: among all."""
     device = generator.device if generator is not None else torch.device("cpu")
     targets = cod_depth_counts(n_valid, num_depths, r, r_min)
     kept = [torch.arange(n_valid, device=device)]
     for d in range(1, num_depths):
         children = kept[-1][kept[-1] + d < n_valid]
+        if useful is not None:
+            children = children[useful[d, children.cpu()].to(children.device)]
         count = min(targets[d], children.numel())
         pick = torch.randperm(children.numel(), generator=generator, device=device)[:count]
         kept.append(children[pick].sort().values)
@@ -78,21 +89,40 @@ class PEagleElements:
         return peagle_dense_mask(self.anchor, self.depth, self.real, window)
 
 
+def labelled_chains(valid: torch.Tensor, num_depths: int) -> torch.Tensor:
+    """valid [B, T] label slots -> useful [B, D, T] bool: (p, d) or a deeper element of
+    anchor p carries a label (element (p, d') learns slot p + d' + 1). An element that is
+    not useful adds nothing to the loss: it has no label, and the only elements that read
+    it are the deeper ones of its own anchor, which have none either."""
+    b, t = valid.shape
+    labelled = torch.zeros(b, num_depths, t, dtype=torch.bool)
+    v = valid.bool().cpu()
+    for d in range(num_depths):
+        if d + 1 < t:
+            labelled[:, d, : t - d - 1] = v[:, d + 1 :]
+    # useful at d: labelled at some d' >= d (a suffix "or" over the depths)
+    return labelled.flip(1).to(torch.int8).cummax(1).values.flip(1).bool()
+
+
 def cod_grid(
     attention_mask: torch.Tensor,
     num_depths: int,
     r: float,
     r_min: float,
     generator: torch.Generator | None = None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """attention_mask [B, T] (right padding) -> keep [B, D·T] bool, cell d·T + p = (p, d)."""
+    """attention_mask [B, T] (right padding) -> keep [B, D·T] bool, cell d·T + p = (p, d).
+    `valid` [B, T] (the labels' valid slots): deeper elements only on `labelled_chains`."""
     b, t = attention_mask.shape
     lengths = attention_mask.bool().sum(1).tolist()
+    useful = labelled_chains(valid, num_depths) if valid is not None else None
     keep = torch.zeros(b, num_depths, t, dtype=torch.bool)
     for i, n in enumerate(lengths):
         if not bool(attention_mask[i, :n].bool().all()):
             raise ValueError(f"P-EAGLE needs right-padded batches; attention_mask row {i} has a gap")
-        for d, anchors in enumerate(cod_sample(int(n), num_depths, r, r_min, generator)):
+        mine = useful[i, :, :n] if useful is not None else None
+        for d, anchors in enumerate(cod_sample(int(n), num_depths, r, r_min, generator, mine)):
             keep[i, d, anchors] = True
     return keep.view(b, num_depths * t).to(attention_mask.device)
 
@@ -250,7 +280,8 @@ def peagle_loss(
     t = input_ids.shape[1]
     cfg = train_cfg.section("peagle")
     depths = cfg.num_depths
-    keep = cod_grid(am, depths, cfg.cod_r, cfg.cod_r_min, generator)
+    valid = labels.valid if cfg.cod_labelled_only else None
+    keep = cod_grid(am, depths, cfg.cod_r, cfg.cod_r_min, generator, valid)
     depth_weight = element_weights(compact(keep, t), labels, depths, cfg.loss_weighting)
     segments = list(segment_keeps(keep, t, depths, cfg.segment_length))
     real_segments = len(segments)
