@@ -47,6 +47,8 @@ LATER_KEYS_OMITTED_AT = {
     "head.sliding_window": None,
     "train.loss": "kl",
     "train.lk_eta": 3.0,
+    "train.optimizer": "adamw",
+    "train.muon_lr": 0.02,
     # P-EAGLE runs before it drew deeper elements at every position (a rerun of one from
     # then is told the sampling changed)
     "train.peagle.cod_labelled_only": False,
