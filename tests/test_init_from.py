@@ -173,7 +173,7 @@ def test_a_peagle_head_grown_to_two_layers_drafts_every_depth_as_before(tiny_lla
     1-layer head's logits; the added layer is the identity until training moves it."""
     from eyas.recipe import recipe_from_dict
     from eyas.train.build import head_from_checkpoint, init_from_config
-    from eyas.train.peagle import compact, cod_grid, peagle_forward
+    from eyas.train.peagle import cod_grid, compact, peagle_forward
 
     target = _target(tiny_llama_dir)
     eagle3 = _source(exported_head, target)
