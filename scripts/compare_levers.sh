@@ -71,14 +71,15 @@ for lever in levers:
             continue
         report = json.loads(path.read_text())
         head, ngram = report["drafters"].get("head", {}), report["drafters"].get("ngram", {})
-        acc = " ".join(f"{a:.2f}" for a in head.get("per_position_acceptance") or [])
+        acc = " ".join("-" if a is None else f"{a:.2f}" for a in head.get("per_position_acceptance") or [])
         fmt = lambda v: "-" if v is None else f"{v:.2f}"
         print(f"{lever:10} {temp[1]:>3} {fmt(head.get('tau')):>6} {fmt(ngram.get('tau')):>6} "
               f"{fmt(head.get('tar')):>6}  {acc:24} {report['lossless'].get('passed')}")
 EOF
 }
 
-if [ "${1:-}" = summary ]; then summary; exit 0; fi
+main() {
+if [ "${1:-}" = summary ]; then summary; return; fi
 
 echo "=== data: prepare + capture once ($DIR/data, data.max_samples=$SAMPLES)"
 "${EYAS[@]}" prepare -r "$E3" "run_dir=$DIR/data" "${DATA[@]}"
@@ -99,8 +100,16 @@ for lever in $LEVERS; do
   temps=(0)
   case $lever in baseline|tv|lk) temps=(0 1) ;; esac
   for t in "${temps[@]}"; do
+    json=$DIR/$lever/eval-T$t.json
+    [ -s "$json" ] && continue  # evaluated by an earlier run of this script
     "${EYAS[@]}" eval -r "$recipe" --json --no-progress --temperature "$t" --max-prompts "$PROMPTS" \
-      --max-new-tokens "$TOKENS" --out "$DIR/$lever/eval-T$t" "${over[@]}" > "$DIR/$lever/eval-T$t.json"
+      --max-new-tokens "$TOKENS" --out "$DIR/$lever/eval-T$t" "${over[@]}" > "$json.part"
+    mv "$json.part" "$json"
   done
 done
 summary
+}
+
+# in a function, called on the last line: bash reads a script as it runs, so an edit to
+# this file during a run (hours) would otherwise change what the running one executes
+main "$@"

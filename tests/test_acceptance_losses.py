@@ -56,3 +56,30 @@ def test_loss_key_is_typed_and_old_runs_keep_their_fingerprint():
     assert "train.loss" not in base and "train.lk_eta" not in base
     lk = training_settings(recipe_from_dict({"train": {"loss": "lk"}}), "d")
     assert lk["train.loss"] == "lk"
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+def test_cross_entropy_and_tv_kernels_match_autograd(compile_mode):
+    """The shared hand-written backward of the cross-entropy and the total variation (run
+    eagerly and, as `train.compile_loss` auto does on large CPU rows, through
+    torch.compile) equals autograd's gradient of their definitions, with both terms
+    weighted as the LK blend weighs them."""
+    from eyas.train import losses
+
+    torch.manual_seed(5)
+    z = 3 * torch.randn(6, 256)
+    p = torch.softmax(2 * torch.randn(6, 256, dtype=torch.float64), -1).float()
+    w_ce, w_tv = torch.rand(6), torch.rand(6)
+    mine = z.clone().requires_grad_()
+    ce, tv, top = loss_terms_rows(mine, p, "lk", compile_mode)
+    assert not losses._compile_failed, losses._compile_failed
+    (ce * w_ce + tv * w_tv).sum().backward()
+    ref = z.clone().requires_grad_()
+    q = torch.softmax(ref, -1)
+    ref_ce = -(p * torch.log_softmax(ref, -1)).sum(-1)
+    ref_tv = 0.5 * (p - q).abs().sum(-1)
+    (ref_ce * w_ce + ref_tv * w_tv).sum().backward()
+    torch.testing.assert_close(ce, ref_ce.detach())
+    torch.testing.assert_close(tv, ref_tv.detach())
+    torch.testing.assert_close(mine.grad, ref.grad)
+    assert torch.equal(top, z.argmax(-1))
