@@ -107,6 +107,17 @@ class TrainSection(_Section):
     init_from: str | None = None
     init_from_revision: str | None = None
     learning_rate: float = Field(1e-4, gt=0)
+    # What each drafted position is trained to match (DESIGN §2.4): kl, the soft-label
+    # cross-entropy against the target (forward KL); tv, the total variation, 1 - the
+    # acceptance rate of speculative sampling; lk, exp(-lk_eta·acceptance)·kl + the rest·tv,
+    # per TTT step or P-EAGLE depth (the LK loss, arXiv 2602.23881).
+    loss: Literal["kl", "tv", "lk"] = "kl"
+    lk_eta: float = Field(3.0, ge=0)
+    # adamw: every trainable parameter. muon: torch.optim.Muon for the head's 2-D hidden
+    # matrices (attention, MLP, fc) at `muon_lr`, AdamW for the rest (train/optimizers.py);
+    # refused under FSDP2 and DeepSpeed, which shard the matrices.
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_lr: float = Field(0.02, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     freeze_lm_head: bool = False  # keep the LM head rows copied from the target
     betas: tuple[Beta, Beta] = (0.9, 0.95)

@@ -23,14 +23,17 @@ from eyas.train.step_stats import StepStats
 
 
 def eagle3_loss(head, batch: dict, labels, train_cfg, generator=None) -> StepStats:
-    """EAGLE-3 training-time test (`train.eagle3`): `ttt_steps` unrolled steps, weights
-    decay^k (evaluated on the valid slots only), plus `copy_attention_weight` times the copy
-    supervision of attention head 0 over the first `copy_attention_steps` steps."""
+    """EAGLE-3 training-time test (`train.eagle3`): `ttt_steps` unrolled steps of the
+    `train.loss` loss, weights decay^k (evaluated on the valid slots only), plus
+    `copy_attention_weight` times the copy supervision of attention head 0 over the first
+    `copy_attention_steps` steps."""
     cfg = train_cfg.section("eagle3")
+    args = (head, batch, labels, cfg.ttt_steps, cfg.ttt_decay, train_cfg.compile_loss)
+    args += (train_cfg.loss, train_cfg.lk_eta)
     if cfg.copy_attention_weight <= 0:
-        return ttt_loss_valid_rows(head, batch, labels, cfg.ttt_steps, cfg.ttt_decay, train_cfg.compile_loss)
+        return ttt_loss_valid_rows(*args)
     with recording_head0(head) as records:
-        stats = ttt_loss_valid_rows(head, batch, labels, cfg.ttt_steps, cfg.ttt_decay, train_cfg.compile_loss)
+        stats = ttt_loss_valid_rows(*args)
     targets = copy_attention_targets(
         batch["input_ids"], labels.valid, batch["attention_mask"], steps=cfg.copy_attention_steps
     )

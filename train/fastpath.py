@@ -20,7 +20,7 @@ from torch import nn
 from eyas.core.sampling import argmax_rows
 from eyas.heads.layers import TTTMask
 from eyas.train.batching import round_up, shift_left
-from eyas.train.losses import TargetLabels, soft_cross_entropy_rows
+from eyas.train.losses import LossKind, TargetLabels, loss_rows, loss_terms_rows
 from eyas.train.step_stats import StepStats
 
 
@@ -121,15 +121,17 @@ def padded_rows(x: torch.Tensor, fill=None) -> torch.Tensor:
 LOSS_CHUNK_ROWS = 8192
 
 
-def _rows_loss(lm_head, rows: torch.Tensor, probs: torch.Tensor, compile_mode: str):
-    return soft_cross_entropy_rows(lm_head(rows), probs, compile_mode)
+def _rows_loss(lm_head, rows: torch.Tensor, probs: torch.Tensor, loss: LossKind, compile_mode: str):
+    return loss_terms_rows(lm_head(rows), probs, loss, compile_mode)
 
 
-def _lm_head_loss(lm_head, rows: torch.Tensor, probs: torch.Tensor, compile_mode: str):
-    """(cross-entropy [N], argmax [N]) of the LM head over `rows` [N, H] against `probs`;
-    past `LOSS_CHUNK_ROWS` rows in checkpointed chunks, so memory stays at one chunk's."""
+def _lm_head_loss(lm_head, rows: torch.Tensor, probs: torch.Tensor, loss: LossKind, compile_mode: str):
+    """(cross-entropy [N], total variation [N] or None, argmax [N]) of the LM head over
+    `rows` [N, H] against `probs` (`loss_terms_rows`); past `LOSS_CHUNK_ROWS` rows in
+    checkpointed chunks, so memory stays at one chunk's. The LK blend weight needs every
+    row's acceptance, so the terms come back per row and are blended by the caller."""
     if rows.shape[0] <= LOSS_CHUNK_ROWS or not torch.is_grad_enabled():
-        return _rows_loss(lm_head, rows, probs, compile_mode)
+        return _rows_loss(lm_head, rows, probs, loss, compile_mode)
     from torch.utils.checkpoint import checkpoint
 
     parts = [
@@ -138,19 +140,29 @@ def _lm_head_loss(lm_head, rows: torch.Tensor, probs: torch.Tensor, compile_mode
             lm_head,
             rows[i : i + LOSS_CHUNK_ROWS],
             probs[i : i + LOSS_CHUNK_ROWS],
+            loss,
             compile_mode,
             use_reentrant=False,
         )
         for i in range(0, rows.shape[0], LOSS_CHUNK_ROWS)
     ]
-    return torch.cat([ce for ce, _ in parts]), torch.cat([top for _, top in parts])
+    tv = None if parts[0][1] is None else torch.cat([part[1] for part in parts])
+    return torch.cat([part[0] for part in parts]), tv, torch.cat([part[2] for part in parts])
 
 
 def ttt_loss_valid_rows(
-    head, batch: dict, labels: TargetLabels, steps: int, decay: float, compile_mode: str = "off"
+    head,
+    batch: dict,
+    labels: TargetLabels,
+    steps: int,
+    decay: float,
+    compile_mode: str = "off",
+    loss: LossKind = "kl",
+    lk_eta: float = 3.0,
 ) -> StepStats:
     """The TTT loss (`eyas.train.reference.ttt_loss`) with the LM head and the loss evaluated
-    only on valid query slots; the head's layers run as in `forward_step`.
+    only on valid query slots; the head's layers run as in `forward_step`. `loss` /
+    `lk_eta`: the recipe's `train.loss` / `train.lk_eta` (an LK weight per TTT step).
 
     Every step reads the rows of the valid label slots s in one fixed order: step k's
     query for label s is slot s-1-k of the same sample (absent, weight 0, when s-1-k
@@ -181,10 +193,11 @@ def ttt_loss_valid_rows(
         if count:
             # an absent one reads some other slot (of the previous sample, or slot 0): weight 0
             queries = (label_rows - (1 + k)).clamp(min=0)
-            ce, top = _lm_head_loss(
-                head.lm_head, normed.reshape(b * t, -1).index_select(0, queries), probs, compile_mode
+            ce, tv, top = _lm_head_loss(
+                head.lm_head, normed.reshape(b * t, -1).index_select(0, queries), probs, loss, compile_mode
             )
-            loss_k = (ce * present).sum() / count
+            rows = loss_rows(loss, ce, tv, torch.where(present, 0, -1), lk_eta)
+            loss_k = (rows * present).sum() / count
             hits = int(((top == label_argmax) & present).sum())
         else:
             # a zero that still reaches every parameter (the LM head included), so DDP sees

@@ -1,5 +1,6 @@
 """The training loop (DESIGN §2.4): accelerate-wrapped head, frozen target, bf16 autocast,
-AdamW with a cosine schedule and warmup, gradient accumulation and clipping, periodic
+AdamW (or Muon for the hidden matrices, train/optimizers.py) with a cosine schedule and
+warmup, gradient accumulation and clipping, periodic
 evaluation, full-state checkpoints with automatic resume, and logging.
 
 `accelerate launch -m eyas.train --recipe R` runs it on any number of processes; only the
@@ -29,6 +30,7 @@ from eyas.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from eyas.train.distributed import (
     any_rank_nonfinite,
     clip_gradients,
+    fsdp_requested,
     make_accelerator,
     prepare,
     shard_head,
@@ -38,6 +40,7 @@ from eyas.train.distributed import (
 )
 from eyas.train.feed import FeatureSource, batch_stream, open_split, to_device
 from eyas.train.metrics import AccuracyMeter, make_logger
+from eyas.train.optimizers import build_optimizer, refuse_muon_when_sharded
 from eyas.train.run_settings import EarlierRun, RerunRefused, read_earlier_run
 
 log = logging.getLogger(__name__)
@@ -165,6 +168,11 @@ def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool, stac
     here and entered into `stack`, which stops it."""
     cfg = recipe.train
     device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
+    # before the target loads (minutes for a large one)
+    sharded_by = "FSDP2" if fsdp_requested() and world > 1 else None
+    refuse_muon_when_sharded(
+        cfg, "DeepSpeed" if accelerator.distributed_type.name == "DEEPSPEED" else sharded_by
+    )
     torch.manual_seed(cfg.seed)
     if target is None:
         with whole_target_loading():
@@ -186,9 +194,7 @@ def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool, stac
         accelerator, HeadWithLoss(head, get_algorithm(head_cfg.algorithm).loss_function(), cfg)
     )
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.learning_rate, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
-    )
+    optimizer = build_optimizer(model.named_parameters(), cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg.warmup_steps, total))
     model, optimizer = prepare(accelerator, model, optimizer, cfg)
     generator = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + rank)

@@ -1,11 +1,15 @@
 """Targets and losses: the frozen target's distribution restricted to the draft
-vocabulary, and the soft-label cross-entropy (forward KL up to a constant) against it."""
+vocabulary, and the per-row losses against it (DESIGN §2.4, `train.loss`): the soft-label
+cross-entropy ("kl": forward KL up to the target's entropy, a constant), the total
+variation ("tv": 1 - the expected acceptance of speculative sampling) and their LK blend
+("lk")."""
 
 from __future__ import annotations
 
 import functools
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -13,6 +17,8 @@ from torch import nn
 from eyas.core.sampling import argmax_rows
 
 log = logging.getLogger(__name__)
+
+LossKind = Literal["kl", "tv", "lk"]
 
 
 @dataclass
@@ -114,15 +120,35 @@ def _soft_ce_backward(
     return ((logq.exp() - probs.to(logq.dtype)) * grad_ce[:, None].to(logq.dtype)).to(dtype)
 
 
+def _ce_tv_forward(logits: torch.Tensor, probs: torch.Tensor):
+    """(ce [N], tv [N], log q [N, V]): tv = 1 - sum_v min(p(v), q(v))."""
+    ce, logq = _soft_ce_forward(logits, probs)
+    tv = 1.0 - torch.minimum(probs.to(logq.dtype), logq.exp()).sum(-1)
+    return ce, tv, logq
+
+
+def _ce_tv_backward(logq, probs, grad_ce, grad_tv, dtype):
+    """d ce / dz plus d tv / dz: where q < p the overlap takes q, so d overlap / dz_j =
+    q_j (1[q_j < p_j] - A) with A = sum of q over those tokens; tv = 1 - overlap."""
+    q, p = logq.exp(), probs.to(logq.dtype)
+    below = (q < p).to(q.dtype)
+    overlap_q = (q * below).sum(-1, keepdim=True)
+    grad = (q - p) * grad_ce[:, None].to(q.dtype) + q * (overlap_q - below) * grad_tv[:, None].to(q.dtype)
+    return grad.to(dtype)
+
+
+# name -> (forward, backward); "ce_tv" only runs for train.loss tv / lk
+_KERNELS = {"ce": (_soft_ce_forward, _soft_ce_backward), "ce_tv": (_ce_tv_forward, _ce_tv_backward)}
+
 # Below this many logits a compiled kernel never repays its first compile (tests, tiny heads).
 _COMPILE_MIN_ELEMENTS = 1 << 22
 _compile_failed: list[str] = []  # the error, once a compile has failed in this process
 
 
 @functools.cache
-def _compiled_soft_ce():
+def _compiled_kernels(name: str):
     # dynamic: the number of loss rows changes every step
-    return torch.compile(_soft_ce_forward, dynamic=True), torch.compile(_soft_ce_backward, dynamic=True)
+    return tuple(torch.compile(kernel, dynamic=True) for kernel in _KERNELS[name])
 
 
 def _use_compiled(mode: str, logits: torch.Tensor) -> bool:
@@ -133,13 +159,14 @@ def _use_compiled(mode: str, logits: torch.Tensor) -> bool:
     return True
 
 
-def _run_kernel(index: int, compiled: bool, *args):
-    """Kernel `index` (0 forward, 1 backward), compiled when asked; a compile error falls
-    back to the same math run eagerly for the rest of the process, with one warning."""
-    eager = (_soft_ce_forward, _soft_ce_backward)[index]
+def _run_kernel(name: str, index: int, compiled: bool, *args):
+    """Kernel `index` (0 forward, 1 backward) of `_KERNELS[name]`, compiled when asked; a
+    compile error falls back to the same math run eagerly for the rest of the process,
+    with one warning."""
+    eager = _KERNELS[name][index]
     if compiled and not _compile_failed:
         try:
-            return _compiled_soft_ce()[index](*args)
+            return _compiled_kernels(name)[index](*args)
         except Exception as err:  # a missing C++ toolchain, an unsupported backend, ...
             _compile_failed.append(f"{type(err).__name__}: {err}")
             log.warning(
@@ -159,7 +186,7 @@ class _SoftCrossEntropyRows(torch.autograd.Function):
     def forward(ctx, logits, probs, compile_mode):
         compiled = _use_compiled(compile_mode, logits)
         with torch.autocast(logits.device.type, enabled=False):
-            ce, logq = _run_kernel(0, compiled, logits, probs)
+            ce, logq = _run_kernel("ce", 0, compiled, logits, probs)
             top = argmax_rows(logq)
         ctx.save_for_backward(logq, probs)
         ctx.logits_dtype = logits.dtype
@@ -171,7 +198,7 @@ class _SoftCrossEntropyRows(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_ce, _grad_top):
         logq, probs = ctx.saved_tensors
-        return _run_kernel(1, ctx.compiled, logq, probs, grad_ce, ctx.logits_dtype), None, None
+        return _run_kernel("ce", 1, ctx.compiled, logq, probs, grad_ce, ctx.logits_dtype), None, None
 
 
 def soft_cross_entropy_rows(
@@ -184,6 +211,73 @@ def soft_cross_entropy_rows(
     `train.compile_loss` ("auto" / "on" / "off"). Returns (ce [N] in >= float32, with a
     gradient to `logits`; argmax [N] long)."""
     return _SoftCrossEntropyRows.apply(logits, probs, compile_mode)
+
+
+class _CrossEntropyAndTVRows(torch.autograd.Function):
+    """Per-row soft cross-entropy and total variation with one hand-written backward, so
+    only log q is kept (as `_SoftCrossEntropyRows`)."""
+
+    @staticmethod
+    def forward(ctx, logits, probs, compile_mode):
+        compiled = _use_compiled(compile_mode, logits)
+        with torch.autocast(logits.device.type, enabled=False):
+            ce, tv, logq = _run_kernel("ce_tv", 0, compiled, logits, probs)
+            top = argmax_rows(logq)
+        ctx.save_for_backward(logq, probs)
+        ctx.logits_dtype = logits.dtype
+        ctx.compiled = compiled
+        ctx.mark_non_differentiable(top)
+        return ce, tv, top
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_ce, grad_tv, _grad_top):
+        logq, probs = ctx.saved_tensors
+        grad_ce = torch.zeros_like(logq[:, 0]) if grad_ce is None else grad_ce
+        grad_tv = torch.zeros_like(logq[:, 0]) if grad_tv is None else grad_tv
+        grad = _run_kernel("ce_tv", 1, ctx.compiled, logq, probs, grad_ce, grad_tv, ctx.logits_dtype)
+        return grad, None, None
+
+
+def loss_terms_rows(
+    logits: torch.Tensor, probs: torch.Tensor, loss: LossKind, compile_mode: str = "off"
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(ce [N], tv [N] or None, argmax [N]) of `logits` [N, V] against `probs` [N, V]: the
+    total variation only when `loss` needs it (tv, lk), so "kl" runs as it always has."""
+    if loss == "kl":
+        ce, top = soft_cross_entropy_rows(logits, probs, compile_mode)
+        return ce, None, top
+    return _CrossEntropyAndTVRows.apply(logits, probs, compile_mode)
+
+
+def lk_lambda(tv: torch.Tensor, group: torch.Tensor, eta: float) -> torch.Tensor:
+    """Per row, the LK blend weight exp(-eta · mean acceptance of its group), detached
+    (Samarin et al. 2026, arXiv 2602.23881: one weight per draft depth and batch).
+    tv [N]; group [N] long, the row's TTT step or P-EAGLE depth, -1 for a row that does
+    not count (padding). Acceptance of a row is 1 - tv."""
+    alpha = (1.0 - tv.detach()).double()
+    counted = group >= 0
+    g = group.clamp(min=0)
+    n = int(g.max()) + 1 if g.numel() else 1
+    sums = torch.zeros(n, dtype=torch.float64, device=tv.device).index_add_(0, g[counted], alpha[counted])
+    counts = torch.zeros(n, dtype=torch.float64, device=tv.device).index_add_(
+        0, g[counted], torch.ones_like(alpha[counted])
+    )
+    return torch.exp(-eta * sums / counts.clamp(min=1))[g].to(tv.dtype)
+
+
+def loss_rows(
+    loss: LossKind, ce: torch.Tensor, tv: torch.Tensor | None, group: torch.Tensor, eta: float
+) -> torch.Tensor:
+    """The per-row training loss [N] of `train.loss` from `loss_terms_rows`' terms: ce (kl),
+    tv, or lambda·ce + (1 - lambda)·tv with `lk_lambda`'s weight (lk). The cross-entropy
+    stands in for the KL: they differ by the target's entropy, which has no gradient."""
+    if loss == "kl":
+        return ce
+    if loss == "tv":
+        return tv
+    lam = lk_lambda(tv, group, eta)
+    return lam * ce + (1.0 - lam) * tv
 
 
 def argmax_accuracy(

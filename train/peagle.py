@@ -8,7 +8,9 @@ of the same anchor one depth deeper. So the kept set is prefix-closed per anchor
 (p, d) is kept only if (p, d-1) is. With n real slots, (p, d) exists for p + d < n (its
 position is a real slot), so depth d has n - d candidates and keeps
 min(⌊(n - d) · max(r^d, r_min)⌋, children of depth d-1 that exist) of them, drawn
-uniformly without replacement from those children. Depth 0 keeps every real slot.
+uniformly without replacement from those children (with `cod_labelled_only`, from the
+children on a chain that carries a label: `labelled_chains`). Depth 0 keeps every real
+slot.
 
 Layout. Per sample, elements live on a grid of D·T cells (cell d·T + p = (p, d)); the kept
 cells are compacted in that order (depth-major, anchor-minor) and padded to the longest
@@ -26,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from eyas.heads.peagle import PEagleHead
 from eyas.train.batching import round_up
 from eyas.train.fastpath import ROW_MULTIPLE, padded_rows
-from eyas.train.losses import TargetLabels, soft_cross_entropy_rows
+from eyas.train.losses import TargetLabels, loss_rows, loss_terms_rows
 from eyas.train.masks import peagle_block_mask, peagle_dense_mask
 from eyas.train.step_stats import StepStats
 
@@ -42,15 +44,24 @@ def cod_depth_counts(n_valid: int, num_depths: int, r: float, r_min: float) -> l
 
 
 def cod_sample(
-    n_valid: int, num_depths: int, r: float, r_min: float, generator: torch.Generator | None = None
+    n_valid: int,
+    num_depths: int,
+    r: float,
+    r_min: float,
+    generator: torch.Generator | None = None,
+    useful: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Kept anchors per depth for one sequence of n_valid real slots: a list of
-    num_depths sorted long tensors (depth 0 = arange(n_valid)); prefix-closed per anchor."""
+    num_depths sorted long tensors (depth 0 = arange(n_valid)); prefix-closed per anchor.
+    `useful` [num_depths, n_valid] bool (`labelled_chains`): a deeper element is drawn
+    only among anchors marked at its depth; None: among all."""
     device = generator.device if generator is not None else torch.device("cpu")
     targets = cod_depth_counts(n_valid, num_depths, r, r_min)
     kept = [torch.arange(n_valid, device=device)]
     for d in range(1, num_depths):
         children = kept[-1][kept[-1] + d < n_valid]
+        if useful is not None:
+            children = children[useful[d, children.cpu()].to(children.device)]
         count = min(targets[d], children.numel())
         pick = torch.randperm(children.numel(), generator=generator, device=device)[:count]
         kept.append(children[pick].sort().values)
@@ -78,21 +89,40 @@ class PEagleElements:
         return peagle_dense_mask(self.anchor, self.depth, self.real, window)
 
 
+def labelled_chains(valid: torch.Tensor, num_depths: int) -> torch.Tensor:
+    """valid [B, T] label slots -> useful [B, D, T] bool: (p, d) or a deeper element of
+    anchor p carries a label (element (p, d') learns slot p + d' + 1). An element that is
+    not useful adds nothing to the loss: it has no label, and the only elements that read
+    it are the deeper ones of its own anchor, which have none either."""
+    b, t = valid.shape
+    labelled = torch.zeros(b, num_depths, t, dtype=torch.bool)
+    v = valid.bool().cpu()
+    for d in range(num_depths):
+        if d + 1 < t:
+            labelled[:, d, : t - d - 1] = v[:, d + 1 :]
+    # useful at d: labelled at some d' >= d (a suffix "or" over the depths)
+    return labelled.flip(1).to(torch.int8).cummax(1).values.flip(1).bool()
+
+
 def cod_grid(
     attention_mask: torch.Tensor,
     num_depths: int,
     r: float,
     r_min: float,
     generator: torch.Generator | None = None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """attention_mask [B, T] (right padding) -> keep [B, D·T] bool, cell d·T + p = (p, d)."""
+    """attention_mask [B, T] (right padding) -> keep [B, D·T] bool, cell d·T + p = (p, d).
+    `valid` [B, T] (the labels' valid slots): deeper elements only on `labelled_chains`."""
     b, t = attention_mask.shape
     lengths = attention_mask.bool().sum(1).tolist()
+    useful = labelled_chains(valid, num_depths) if valid is not None else None
     keep = torch.zeros(b, num_depths, t, dtype=torch.bool)
     for i, n in enumerate(lengths):
         if not bool(attention_mask[i, :n].bool().all()):
             raise ValueError(f"P-EAGLE needs right-padded batches; attention_mask row {i} has a gap")
-        for d, anchors in enumerate(cod_sample(int(n), num_depths, r, r_min, generator)):
+        mine = useful[i, :, :n] if useful is not None else None
+        for d, anchors in enumerate(cod_sample(int(n), num_depths, r, r_min, generator, mine)):
             keep[i, d, anchors] = True
     return keep.view(b, num_depths * t).to(attention_mask.device)
 
@@ -173,12 +203,14 @@ def segment_keeps(keep: torch.Tensor, t: int, num_depths: int, segment_length: i
 
 
 def _segment_loss(
-    head, elements: PEagleElements, bi, li, target_rows, input_ids, aux, weight, compile_mode: str = "off"
+    head, elements: PEagleElements, bi, li, target_rows, input_ids, aux, weight, depth, train_cfg
 ):
-    """The segment's share of the loss (its per-element soft CE weighted by `weight` [N])
-    plus, detached, the per-element CE [N] and draft argmax [N] for elements (bi, li).
-    The LM head and the loss run on those N rows only (most of a segment's elements are
-    padding or have no label), rounded up to ROW_MULTIPLE with weight-0 copies of row 0."""
+    """The segment's share of the loss (its per-element `train.loss` weighted by `weight`
+    [N]) plus, detached, the per-element loss [N] and draft argmax [N] for elements
+    (bi, li) of depths `depth` [N] (the LK weight is one per depth, over this segment's
+    elements). The LM head and the loss run on those N rows only (most of a segment's
+    elements are padding or have no label), rounded up to ROW_MULTIPLE with weight-0
+    copies of row 0."""
     h = peagle_hidden(head, elements, input_ids, aux)
     n = bi.numel()
     if n == 0:
@@ -186,11 +218,14 @@ def _segment_loss(
         empty = h.new_zeros(0)
         return head.lm_head(head.norm(h[:, :1])).sum() * 0.0, empty, empty.long()
     bi, li, weight = padded_rows(bi, fill=0), padded_rows(li, fill=0), padded_rows(weight, fill=0)
+    group = padded_rows(depth, fill=-1)  # the added rows count in no depth's LK weight
     target_rows = padded_rows(target_rows)
     rows = head.lm_head(head.norm(h[bi, li]))
     acc = torch.promote_types(rows.dtype, torch.float32)  # >= fp32 under bf16 autocast
-    ce, top = soft_cross_entropy_rows(rows, torch.softmax(target_rows.to(acc), dim=-1), compile_mode)
-    return (ce * weight.to(ce.dtype)).sum(), ce.detach()[:n], top[:n]
+    probs = torch.softmax(target_rows.to(acc), dim=-1)
+    ce, tv, top = loss_terms_rows(rows, probs, train_cfg.loss, train_cfg.compile_loss)
+    per_row = loss_rows(train_cfg.loss, ce, tv, group, train_cfg.lk_eta)
+    return (per_row * weight.to(per_row.dtype)).sum(), per_row.detach()[:n], top[:n]
 
 
 def element_weights(
@@ -229,7 +264,7 @@ def _segments_on_every_rank(head, n: int, device) -> int:
 def peagle_loss(
     head: PEagleHead, batch: dict, labels: TargetLabels, train_cfg, generator: torch.Generator | None
 ) -> StepStats:
-    """COD-sampled P-EAGLE loss of a batch: the weighted mean soft cross-entropy over every
+    """COD-sampled P-EAGLE loss of a batch: the weighted mean `train.loss` over every
     kept element whose label slot is valid (`element_weights`: each element alike, or each
     depth alike), with per-depth losses, hits and counts.
 
@@ -245,7 +280,8 @@ def peagle_loss(
     t = input_ids.shape[1]
     cfg = train_cfg.section("peagle")
     depths = cfg.num_depths
-    keep = cod_grid(am, depths, cfg.cod_r, cfg.cod_r_min, generator)
+    valid = labels.valid if cfg.cod_labelled_only else None
+    keep = cod_grid(am, depths, cfg.cod_r, cfg.cod_r_min, generator, valid)
     depth_weight = element_weights(compact(keep, t), labels, depths, cfg.loss_weighting)
     segments = list(segment_keeps(keep, t, depths, cfg.segment_length))
     real_segments = len(segments)
@@ -269,7 +305,8 @@ def peagle_loss(
             input_ids,
             aux,
             depth_weight[elements.depth[bi, li]],
-            train_cfg.compile_loss,
+            elements.depth[bi, li],
+            train_cfg,
         )
         if len(segments) > 1:
             seg_loss, ce, pred = checkpoint(_segment_loss, *args, use_reentrant=False)

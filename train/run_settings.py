@@ -40,9 +40,19 @@ OPERATIONAL_TRAIN_KEYS = frozenset(
 )
 
 
-# Keys added after runs were recorded, left out while unset: a checkpoint from before
-# them then still matches the recipe it was trained with.
-LATER_KEYS_OMITTED_WHEN_UNSET = frozenset({"head.sliding_window"})
+# Keys added after runs were recorded, left out while at the value every earlier run
+# trained with: a checkpoint from before them then still matches the recipe it was
+# trained with.
+LATER_KEYS_OMITTED_AT = {
+    "head.sliding_window": None,
+    "train.loss": "kl",
+    "train.lk_eta": 3.0,
+    "train.optimizer": "adamw",
+    "train.muon_lr": 0.02,
+    # P-EAGLE runs before it drew deeper elements at every position (a rerun of one from
+    # then is told the sampling changed)
+    "train.peagle.cod_labelled_only": False,
+}
 
 
 class RerunRefused(ValueError):
@@ -70,9 +80,9 @@ def training_settings(recipe, data_digest: str | None) -> dict[str, Any]:
     for key in ("name_or_path", "revision"):
         out[f"target.{key}"] = tree["target"][key]
     out["prepared.digest"] = data_digest
-    for key in LATER_KEYS_OMITTED_WHEN_UNSET:
-        if out.get(key) is None:
-            out.pop(key, None)
+    for key, before in LATER_KEYS_OMITTED_AT.items():
+        if key in out and out[key] == before:
+            out.pop(key)
     return json.loads(json.dumps(out))  # tuples -> lists, as they come back from state.json
 
 

@@ -3,7 +3,7 @@ what `scripts/bench_head_step.py` times on a GPU node and what the quickstart's 
 (eyas/budget/probe.py) times on this machine before it sizes a run. No target weights are
 needed: the embeddings, LM head and features are random at a residual stream's scale, and
 the step is the trainer's own (labels from the LM head, the recipe's loss under its
-autocast, backward, clipping, AdamW).
+autocast, backward, clipping, its optimizer: train/optimizers.py).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def build_head_step(recipe, target_config, verifier: str, device, rows: int) -> 
     from eyas.heads.layers import RMSNorm
     from eyas.train.build import head_config_for, head_from_target_weights
     from eyas.train.fastpath import draft_first_lm_head, valid_row_labels
+    from eyas.train.optimizers import build_optimizer
 
     device = torch.device(device)
     gen = torch.Generator().manual_seed(0)
@@ -91,7 +92,7 @@ def build_head_step(recipe, target_config, verifier: str, device, rows: int) -> 
     cfg = recipe.train
     loss_fn = get_algorithm(head_cfg.algorithm).loss_function()
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=tuple(cfg.betas))
+    opt = build_optimizer(head.named_parameters(), cfg)
     step_gen = torch.Generator(device=device).manual_seed(0)
     head_shapes = shapes_of_config(target_config, rows, vocab=head_cfg.draft_vocab_size)
     mixed_precision = resolve_mixed_precision(cfg.mixed_precision, device, head_shapes)

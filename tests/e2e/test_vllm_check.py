@@ -136,3 +136,76 @@ def test_vllm_serves_eyas_heads_with_eyas_acceptance(tmp_path):
         table = entry["acceptance_table"]
         assert [r["eyas_count"] for r in table] == [r["vllm_count"] for r in table], name
     assert proc.returncode == 0
+
+
+def test_the_norm_output_lens_head_drafts_otherwise_than_without_it(tiny_model):
+    """The EAGLE 3.1 lens head (fc_norm, norm_output, norm_before_residual) feeds its normed
+    state to the next draft step: where the target's final norm has weights other than 1
+    (SmolLM2's, trained), its deeper drafts differ from those of the same head fed the
+    pre-norm state, so the served check below tells the two feedbacks apart."""
+    import copy
+
+    from eyas.target.features import target_norm_and_lm_head
+
+    model = copy.deepcopy(tiny_model)
+    norm, _ = target_norm_and_lm_head(model)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(norm.weight.shape, generator=torch.Generator().manual_seed(0)) * 2)
+    ids = [5, 17, 40, 40, 40, 99, 3, 250, 17, 17, 8, 60, 61, 62, 5, 17]
+    states = _lens_states(model, ids)[: len(ids) - 1]
+    both = [
+        reference_drafts(model, states, 3, fc_norm=True, norm_before_residual=True, norm_output=flag)
+        for flag in (True, False)
+    ]
+    assert torch.equal(both[0][:, 0], both[1][:, 0])  # step 0 reads the target's features alike
+    assert not torch.equal(both[0][:, 1:], both[1][:, 1:])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason=".venv-vllm does not exist (scripts/setup_vllm_env.sh)")
+def test_vllm_feeds_a_norm_output_head_its_normed_state_as_eyas_does(tmp_path):
+    """EAGLE 3.1's `norm_output` (issue 53): vLLM's llama EAGLE-3 drafter feeds the normed
+    state to the next draft step when the config declares it. The e31 lens head served
+    at K = 3 accepts at every position exactly what eyas's offline decoding accepts."""
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "vllm_check.py"),
+            "--heads",
+            "e31",
+            "--skip-setup",
+            "--no-serve",
+            "--num-prompts",
+            "4",
+            "--max-tokens",
+            "32",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--json-out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
+    assert out.is_file(), proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["checks_failed"] == [], report["checks_failed"]
+    table = report["heads"]["e31"]["acceptance_table"]
+    assert [r["eyas_count"] for r in table] == [r["vllm_count"] for r in table]
+    assert len(table) == 3 and table[0]["vllm_count"] > 0
+    assert proc.returncode == 0
+    # The same head fed its pre-norm state would accept deeper drafts on these prompts
+    # (it repeats the last token, as SmolLM2 does on them): an engine that ignored
+    # norm_output would have counted those, so the equality above tells the two apart.
+    from vllm_check import PROMPTS, EyasSide
+
+    from eyas.target.load import materialize_smollm2
+
+    side = EyasSide(materialize_smollm2(), PROMPTS[:4], 3, 32)
+    options = dict(fc_norm=True, norm_before_residual=True, norm_output=False)
+    pre_norm, bad = side.lens_oracle(build_lens_head(side.model, speculative_tokens=3, **options), options)
+    assert bad == 0
+    assert pre_norm["accepted_per_pos"][1] > table[1]["vllm_count"]

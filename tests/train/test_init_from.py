@@ -167,6 +167,38 @@ def test_a_head_grown_by_a_layer_drafts_as_its_source_until_trained(tiny_llama_d
         init_from_config(fewer, deeper, target.config, "HEAD")
 
 
+def test_a_peagle_head_grown_to_two_layers_drafts_every_depth_as_before(tiny_llama_dir, exported_head):
+    """A 1-layer P-EAGLE head (its mask parameters trained away from their start) grown to
+    2 layers by `train.init_from`: at init every COD element, mask slots included, has the
+    1-layer head's logits; the added layer is the identity until training moves it."""
+    from eyas.recipe import recipe_from_dict
+    from eyas.train.build import head_from_checkpoint, init_from_config
+    from eyas.train.peagle import cod_grid, compact, peagle_forward
+
+    target = _target(tiny_llama_dir)
+    eagle3 = _source(exported_head, target)
+    one = recipe_from_dict({"head": {"algorithm": "peagle", "mask_token_id": 5}, "train": {"init_from": "x"}})
+    cfg1 = init_from_config(one, eagle3.config, target.config, "HEAD", tokenizer=target.tokenizer)
+    source, _ = head_from_checkpoint(cfg1, eagle3, target.model)
+    torch.manual_seed(1)
+    with torch.no_grad():  # as if trained: the mask slots no longer start neutral
+        source.mask_hidden.add_(torch.randn_like(source.mask_hidden))
+        source.mask_embedding.add_(torch.randn_like(source.mask_embedding))
+    two = recipe_from_dict({"head": {"algorithm": "peagle", "num_layers": 2}, "train": {"init_from": "x"}})
+    cfg2 = init_from_config(two, source.config, target.config, "HEAD", tokenizer=target.tokenizer)
+    assert cfg2.num_hidden_layers == 2 and cfg2.mask_token_id == 5
+    grown, fresh = head_from_checkpoint(cfg2, source, target.model)
+    assert fresh == ["layers.1"]
+    torch.testing.assert_close(grown.mask_hidden, source.mask_hidden)
+    ids = torch.randint(0, target.vocab_size, (2, 9))
+    aux = torch.randn(2, 9, source.config.fc_in_features)
+    elements = compact(cod_grid(torch.ones(2, 9), 4, 1.0, 1.0), 9)
+    assert int(elements.depth.max()) == 3
+    torch.testing.assert_close(
+        peagle_forward(grown, elements, ids, aux), peagle_forward(source, elements, ids, aux)
+    )
+
+
 def test_eval_compare_reports_both_heads_on_the_same_prompts(tmp_path, tiny_llama_dir, exported_head, capsys):
     import json
 

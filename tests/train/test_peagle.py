@@ -91,25 +91,36 @@ def test_segments_give_the_unsegmented_loss_and_gradients():
         )
 
 
-@pytest.mark.parametrize("seg", [None, 6])
-def test_loss_equals_the_mean_soft_cross_entropy_over_every_labelled_element(seg):
+@pytest.mark.parametrize("seg,loss", [(None, "kl"), (6, "kl"), (None, "tv"), (6, "tv"), (None, "lk")])
+def test_loss_equals_the_mean_loss_over_every_labelled_element(seg, loss):
     """The loss runs the LM head on the labelled elements only, in padded row and element
-    counts; it must equal the soft cross-entropy of the full logits of the unpadded
-    elements, and so must its gradients."""
+    counts; it must equal `train.loss` (soft cross-entropy, total variation, or their LK
+    blend with one weight per depth) of the full logits of the unpadded elements, and so
+    must its gradients."""
     head, batch = double_head_and_batch(5, 3, 19, num_hidden_layers=1, **PEAGLE)
     batch["attention_mask"][1, 12:] = 0
     labels = _random_labels(batch["attention_mask"], V, torch.Generator().manual_seed(2))
-    cfg = TrainSection(peagle={"num_depths": 4, "cod_r": 0.6, "cod_r_min": 0.1, "segment_length": seg})
+    cfg = TrainSection(
+        loss=loss,
+        lk_eta=1.5,
+        peagle={"num_depths": 4, "cod_r": 0.6, "cod_r_min": 0.1, "segment_length": seg},
+    )
     stats = peagle_loss(head, batch, labels, cfg, torch.Generator().manual_seed(3))
     stats.loss.backward()
     fast = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
     head.zero_grad()
-    el = compact(cod_grid(batch["attention_mask"], 4, 0.6, 0.1, torch.Generator().manual_seed(3)), 19)
+    grid = cod_grid(batch["attention_mask"], 4, 0.6, 0.1, torch.Generator().manual_seed(3), labels.valid)
+    el = compact(grid, 19)
     slot, valid = element_label_slots(el, labels)
     target = labels.logits.gather(1, slot[..., None].expand(-1, -1, V))
     logits = peagle_forward(head, el, batch["input_ids"], batch["aux"])
     probs = torch.softmax(target[valid], dim=-1)  # float64 throughout
-    reference = -(probs * torch.log_softmax(logits[valid], dim=-1)).sum(-1).mean()
+    ce = -(probs * torch.log_softmax(logits[valid], dim=-1)).sum(-1)
+    tv = 0.5 * (probs - torch.softmax(logits[valid], dim=-1)).abs().sum(-1)
+    depth = el.depth[valid]
+    alpha = (1 - tv).detach()
+    lam = torch.stack([torch.exp(-1.5 * alpha[depth == d].mean()) for d in range(4)])[depth]
+    reference = {"kl": ce, "tv": tv, "lk": lam * ce + (1 - lam) * tv}[loss].mean()
     reference.backward()
     # float32-level agreement: the head's RMSNorm computes in float32 even in a float64 head
     torch.testing.assert_close(stats.loss.detach(), reference.detach(), rtol=1e-6, atol=1e-9)
@@ -157,7 +168,7 @@ def test_loss_weighting_counts_each_element_or_each_depth_alike(seg):
         stats = peagle_loss(head, batch, labels, cfg, torch.Generator().manual_seed(4))
         losses[weighting] = float(stats.loss)
         counts, per_depth = stats.counts, stats.step_losses
-        assert counts[0] > 2 * counts[1] > 0 and counts[3] > 0  # COD keeps fewer deeper
+        assert counts[0] > 1.5 * counts[1] > 0 and counts[3] > 0  # COD keeps fewer deeper
     element = sum(c * x for c, x in zip(counts, per_depth)) / sum(counts)
     assert losses["element"] == pytest.approx(element, rel=1e-9)
     assert losses["depth"] == pytest.approx(sum(per_depth) / len(per_depth), rel=1e-9)
@@ -365,3 +376,38 @@ def test_peagle_batches_reach_flex_attention_in_few_shapes(monkeypatch):
     for q, k, mask in shapes:
         assert q[0] & (q[0] - 1) == 0 and q[2] & (q[2] - 1) == 0 and q[2] >= 128
         assert (mask[0], mask[2], mask[3]) == (q[0], q[2], k[2])
+
+
+def test_labelled_only_cod_drops_only_elements_without_loss():
+    """Drawing every element (r = r_min = 1), `cod_labelled_only` leaves out exactly the
+    deeper elements of chains with no label, and the loss, its gradients and the per-depth
+    counts are those of the full draw: what it drops carried no loss. At r < 1 every
+    deeper element it keeps is on a labelled chain."""
+    from eyas.train.peagle import labelled_chains
+
+    head, batch = double_head_and_batch(7, 2, 15, num_hidden_layers=2, **PEAGLE)
+    batch["attention_mask"][1, 11:] = 0
+    labels = _random_labels(batch["attention_mask"], V, torch.Generator().manual_seed(4))
+    labels.valid[:, :5] = False  # a prompt: no labels on its first slots
+    am, d = batch["attention_mask"], 4
+    every = cod_grid(am, d, 1.0, 1.0, torch.Generator().manual_seed(1))
+    labelled = cod_grid(am, d, 1.0, 1.0, torch.Generator().manual_seed(1), labels.valid)
+    useful = labelled_chains(labels.valid, d).reshape(2, d * 15)
+    useful[:, :15] = True  # depth 0 is always kept
+    assert torch.equal(labelled, every & useful) and int(labelled.sum()) < int(every.sum())
+    results = []
+    for on in (False, True):
+        cfg = TrainSection(peagle={"num_depths": d, "cod_r": 1.0, "cod_r_min": 1.0, "cod_labelled_only": on})
+        head.zero_grad()
+        stats = peagle_loss(head, batch, labels, cfg, torch.Generator().manual_seed(1))
+        stats.loss.backward()
+        results.append((stats, {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}))
+    (full, g_full), (mine, g_mine) = results
+    torch.testing.assert_close(mine.loss.detach(), full.loss.detach(), rtol=1e-6, atol=1e-9)
+    assert mine.counts == full.counts and mine.hits == full.hits
+    for name in g_full:
+        torch.testing.assert_close(g_mine[name], g_full[name], rtol=1e-6, atol=1e-8)
+
+    sparse = cod_grid(am, d, 0.5, 0.1, torch.Generator().manual_seed(2), labels.valid)
+    assert bool(sparse[:, 15:][~useful[:, 15:]].logical_not().all())
+    assert int(sparse[:, 15:].sum()) > 0

@@ -30,6 +30,7 @@ def _setup(opts, vd):
     return head, batch, args
 
 
+@pytest.mark.parametrize("loss", ["kl", "tv", "lk"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole", "loss-in-chunks"])
 @pytest.mark.parametrize("vd", [50, 20])
 @pytest.mark.parametrize(
@@ -37,7 +38,10 @@ def _setup(opts, vd):
     [dict(), dict(norm_output=True, fc_norm=True), dict(num_hidden_layers=2)],
     ids=["plain", "norm_output", "two_layers"],
 )
-def test_fast_path_equals_reference(opts, vd, chunked, monkeypatch):
+def test_fast_path_equals_reference(opts, vd, chunked, loss, monkeypatch):
+    """Every `train.loss` on the valid-row path (its LM head in chunks or whole) has the
+    value and float64 gradients of the dense definition (train/reference.py) over 4 TTT
+    steps."""
     if chunked:  # the LM head and loss of long samples run in chunks recomputed in the backward
         monkeypatch.setattr("eyas.train.fastpath.LOSS_CHUNK_ROWS", 3)
     head, batch, args = _setup(opts, vd)
@@ -48,9 +52,10 @@ def test_fast_path_equals_reference(opts, vd, chunked, monkeypatch):
     assert torch.equal(ref_labels.argmax[ref_labels.valid], fast_labels.argmax[fast_labels.valid])
     torch.testing.assert_close(ref_labels.logits[ref_labels.valid], fast_labels.logits[fast_labels.valid])
 
-    ref = ttt_loss(head, batch, ref_labels, 4, 0.8)
+    # a λ far from 0 and 1, so both LK terms reach the gradient
+    ref = ttt_loss(head, batch, ref_labels, 4, 0.8, loss=loss, lk_eta=1.5)
     g_ref = torch.autograd.grad(ref.loss, [p for p in head.parameters() if p.requires_grad])
-    fast = ttt_loss_valid_rows(head, batch, fast_labels, 4, 0.8)
+    fast = ttt_loss_valid_rows(head, batch, fast_labels, 4, 0.8, loss=loss, lk_eta=1.5)
     g_fast = torch.autograd.grad(fast.loss, [p for p in head.parameters() if p.requires_grad])
     torch.testing.assert_close(fast.loss, ref.loss, check_dtype=False)
     assert fast.hits == ref.hits and fast.counts == ref.counts
@@ -86,13 +91,13 @@ def test_soft_cross_entropy_rows_matches_autograd(dtype, compile_mode):
 def test_a_failed_loss_compile_falls_back_to_the_same_math_with_one_warning(monkeypatch, caplog):
     from eyas.train import losses
 
-    def broken():
+    def broken(name):
         def fail(*args):
             raise RuntimeError("no C++ compiler")
 
         return fail, fail
 
-    monkeypatch.setattr(losses, "_compiled_soft_ce", broken)
+    monkeypatch.setattr(losses, "_compiled_kernels", broken)
     monkeypatch.setattr(losses, "_compile_failed", [])
     torch.manual_seed(4)
     z, p = torch.randn(5, 130), torch.softmax(torch.randn(5, 130), -1)

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Decide issue 53's levers: each trains the quickstart recipe on the same pinned data beside
+# the baseline (no time budget: every run reads the same conversations and trains the same
+# epochs) and is evaluated on all 80 MT-bench prompts, both turns, with --json. Later, one
+# at a time; the CPU to itself (hours: ~25 min of training per EAGLE-3 lever here).
+#
+#   bash scripts/compare_levers.sh                  # every lever
+#   LEVERS="baseline lk muon" bash scripts/compare_levers.sh
+#
+# Levers (EAGLE-3, recipes/smollm2-135m-eagle3.yaml):
+#   baseline   the recipe as it is
+#   normout    head.norm_output=true (EAGLE 3.1 feedback between TTT steps and drafts)
+#   tv, lk     train.loss=tv / lk (acceptance-targeted losses; also evaluated at T = 1)
+#   muon       train.optimizer=muon (Muon for the hidden matrices, AdamW for the rest)
+# P-EAGLE (recipes/smollm2-135m-peagle.yaml, started from this script's baseline head):
+#   pe1-all    1 layer, COD drawn at every position (as before issue 53)
+#   pe1        1 layer, COD drawn only on labelled chains (the default now)
+#   pe2, pe4   2 / 4 layers (the added ones start as the identity)
+# Environment (pinned so the runs compare; the defaults are the real measurement):
+#   LEVERS_DIR (runs/levers), LEVERS_SAMPLES (data.max_samples, 5400), LEVERS_EPOCHS
+#   (EAGLE-3 train.epochs, 4), LEVERS_PE_EPOCHS (P-EAGLE, 5), LEVERS_PROMPTS
+#   (eval.max_prompts, 80), LEVERS_STEPS (train.max_steps; unset: the epochs decide; a
+#   smoke sets it), LEVERS_TOKENS (eval.max_new_tokens, 96).
+# Each run's report: $LEVERS_DIR/<lever>/eval-T0.json (and eval-T1.json for tv, lk and
+# the baseline); the summary table at the end reads them (also rerunnable on its own:
+# `bash scripts/compare_levers.sh summary`). Reruns resume / skip what is done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR=${LEVERS_DIR:-runs/levers}
+SAMPLES=${LEVERS_SAMPLES:-5400}
+EPOCHS=${LEVERS_EPOCHS:-4}
+PE_EPOCHS=${LEVERS_PE_EPOCHS:-5}
+PROMPTS=${LEVERS_PROMPTS:-80}
+TOKENS=${LEVERS_TOKENS:-96}
+LEVERS=${LEVERS:-baseline normout tv lk muon pe1-all pe1 pe2 pe4}
+EYAS=(.venv/bin/eyas)
+E3=recipes/smollm2-135m-eagle3.yaml
+PE=recipes/smollm2-135m-peagle.yaml
+export TOKENIZERS_PARALLELISM=false
+# the data every lever reads, and the target's dtype pinned (auto may pick another on a
+# faster or slower phase of the machine)
+DATA=("target.dtype=bfloat16" "data.max_samples=$SAMPLES")
+STEPS=()
+[ -z "${LEVERS_STEPS:-}" ] || STEPS=("train.max_steps=$LEVERS_STEPS")
+
+lever_args() {  # recipe file, then the overrides of lever $1
+  case $1 in
+    baseline) echo "$E3" ;;
+    normout) echo "$E3 head.norm_output=true" ;;
+    tv) echo "$E3 train.loss=tv" ;;
+    lk) echo "$E3 train.loss=lk" ;;
+    muon) echo "$E3 train.optimizer=muon" ;;
+    pe1-all) echo "$PE train.peagle.cod_labelled_only=false" ;;
+    pe1) echo "$PE" ;;
+    pe2) echo "$PE head.num_layers=2" ;;
+    pe4) echo "$PE head.num_layers=4" ;;
+    *) echo "unknown lever $1" >&2; return 1 ;;
+  esac
+}
+
+summary() {
+  .venv/bin/python - "$DIR" $LEVERS <<'EOF'
+import json, sys
+from pathlib import Path
+root, levers = Path(sys.argv[1]), sys.argv[2:]
+print(f"{'lever':10} {'T':>3} {'tau':>6} {'ngram':>6} {'TAR':>6}  per-position acceptance   lossless")
+for lever in levers:
+    for temp in ("T0", "T1"):
+        path = root / lever / f"eval-{temp}.json"
+        if not path.is_file():
+            continue
+        report = json.loads(path.read_text())
+        head, ngram = report["drafters"].get("head", {}), report["drafters"].get("ngram", {})
+        acc = " ".join("-" if a is None else f"{a:.2f}" for a in head.get("per_position_acceptance") or [])
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"
+        print(f"{lever:10} {temp[1]:>3} {fmt(head.get('tau')):>6} {fmt(ngram.get('tau')):>6} "
+              f"{fmt(head.get('tar')):>6}  {acc:24} {report['lossless'].get('passed')}")
+EOF
+}
+
+main() {
+if [ "${1:-}" = summary ]; then summary; return; fi
+
+echo "=== data: prepare + capture once ($DIR/data, data.max_samples=$SAMPLES)"
+"${EYAS[@]}" prepare -r "$E3" "run_dir=$DIR/data" "${DATA[@]}"
+"${EYAS[@]}" capture -r "$E3" "run_dir=$DIR/data" "${DATA[@]}"
+
+for lever in $LEVERS; do
+  read -r -a spec <<< "$(lever_args "$lever")"
+  recipe=${spec[0]}
+  over=("${spec[@]:1}" "run_dir=$DIR/$lever" "data.from_run=$DIR/data" "${DATA[@]}" "${STEPS[@]}")
+  if [ "$recipe" = "$PE" ]; then
+    over+=("train.init_from=$DIR/baseline/export" "train.epochs=$PE_EPOCHS")
+  else
+    over+=("train.epochs=$EPOCHS")
+  fi
+  echo "=== $lever: ${spec[*]:1}"
+  "${EYAS[@]}" train -r "$recipe" --no-progress "${over[@]}"
+  "${EYAS[@]}" export -r "$recipe" "${over[@]}"
+  temps=(0)
+  case $lever in baseline|tv|lk) temps=(0 1) ;; esac
+  for t in "${temps[@]}"; do
+    json=$DIR/$lever/eval-T$t.json
+    [ -s "$json" ] && continue  # evaluated by an earlier run of this script
+    "${EYAS[@]}" eval -r "$recipe" --json --no-progress --temperature "$t" --max-prompts "$PROMPTS" \
+      --max-new-tokens "$TOKENS" --out "$DIR/$lever/eval-T$t" "${over[@]}" > "$json.part"
+    mv "$json.part" "$json"
+  done
+done
+summary
+}
+
+# in a function, called on the last line: bash reads a script as it runs, so an edit to
+# this file during a run (hours) would otherwise change what the running one executes
+main "$@"
