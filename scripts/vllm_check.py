@@ -36,7 +36,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_heads import build_lens_head, reference_drafts, replay_oracle  # noqa: E402
+from vllm_heads import (  # noqa: E402
+    add_window_attention,
+    build_lens_head,
+    reference_drafts,
+    replay_oracle,
+)
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 RUNNER = ROOT / "scripts" / "vllm_runner.py"
@@ -55,7 +60,10 @@ PROMPTS = [
 
 @dataclass
 class HeadSpec:
-    """One head to check. `kind`: "lens" (built here, acceptance known) or "trained"."""
+    """One head to check. `kind`: "lens" (built here, acceptance known from the plain greedy
+    tokens), "window" (a lens head whose attention adds the mean embedding of the keys its
+    sliding window sees: acceptance compared exactly, but no oracle, as attention over the
+    prefix matters) or "trained"."""
 
     name: str
     algorithm: str = "eagle3"
@@ -64,6 +72,8 @@ class HeadSpec:
     draft_vocab: bool = False  # Vd < Vt with a d2t map
     options: dict = field(default_factory=dict)  # fc_norm / norm_output / norm_before_residual
     num_hidden_layers: int = 1
+    sliding_window: int | None = None  # "window" heads: the window served and checked
+    attention_scale: float = 0.0  # "window" heads: what the attention adds (vllm_heads.py)
     description: str = ""
 
 
@@ -104,6 +114,17 @@ HEADS = {
         fmt="eagle",
         num_hidden_layers=2,
         description="P-EAGLE lens head, 2 layers, original EAGLE layout",
+    ),
+    # Scale 16 leaves the lens winning often enough that positions 2 and 3 are accepted;
+    # on 4 prompts x 32 tokens windows 3, 4 and 5 give three different counts (docs/benchmarks.md).
+    "e3-window": HeadSpec(
+        "e3-window",
+        kind="window",
+        sliding_window=4,
+        attention_scale=16.0,
+        description="EAGLE-3 lens head whose layer-0 attention adds the mean embedding of the last 4 "
+        "tokens (sliding_window 4), speculators; acceptance exact, and windows 3 and 5 must count "
+        "otherwise in eyas (no oracle replay: attention over the prefix matters)",
     ),
     "trained": HeadSpec(
         "trained", kind="trained", description="a trained SmolLM2 head (bf16 export, served in fp32)"
@@ -327,8 +348,25 @@ def lens_build_kwargs(spec: HeadSpec, side: EyasSide) -> dict:
     return kw
 
 
-def build_spec_head(spec: HeadSpec, side: EyasSide, work: Path, target_dir: Path, trained_dir: Path | None):
-    """(export dir, validator problems, reference mismatches or None, oracle counts or None)."""
+@dataclass
+class BuiltHead:
+    export_dir: Path
+    problems: list[str]
+    ref_bad: int | None = None  # lens heads: slots where the head differs from the hand math
+    oracle: dict | None = None  # lens heads: counts replayed on the plain greedy output
+    neighbours: dict | None = None  # window heads: {window: eyas counts} of windows W - 1, W + 1
+
+
+def build_window_head(spec: HeadSpec, side: EyasSide, target_dir: Path, window: int):
+    head = build_lens_head(
+        side.model, speculative_tokens=side.k, verifier=str(target_dir), sliding_window=window
+    )
+    return add_window_attention(head, side.embed, spec.attention_scale)
+
+
+def build_spec_head(
+    spec: HeadSpec, side: EyasSide, work: Path, target_dir: Path, trained_dir: Path | None
+) -> BuiltHead:
     from eyas.heads.peagle import choose_mask_token_id
 
     if spec.kind == "trained":
@@ -345,7 +383,17 @@ def build_spec_head(spec: HeadSpec, side: EyasSide, work: Path, target_dir: Path
         out = export_head(
             head, work / "heads" / spec.name, fmt=spec.fmt, dtype=torch.bfloat16, verifier=str(target_dir)
         )
-        return out, validate_export(out), None, None
+        return BuiltHead(out, validate_export(out))
+    if spec.kind == "window":
+        # The same weights under windows W - 1 and W + 1: were their counts W's, an engine
+        # applying the window off by one would pass the exact comparison unseen.
+        w = spec.sliding_window
+        neighbours = {
+            n: side.speculate(build_window_head(spec, side, target_dir, n))["counts"] for n in (w - 1, w + 1)
+        }
+        head = build_window_head(spec, side, target_dir, w)
+        out, problems = export_with_eyas(head, spec, work, str(target_dir))
+        return BuiltHead(out, problems, neighbours=neighbours)
     kw = lens_build_kwargs(spec, side)
     mask_id = None
     if spec.algorithm == "peagle":
@@ -361,7 +409,7 @@ def build_spec_head(spec: HeadSpec, side: EyasSide, work: Path, target_dir: Path
     )
     oracle, ref_bad = side.lens_oracle(head, kw)
     out, problems = export_with_eyas(head, spec, work, str(target_dir))
-    return out, problems, ref_bad, oracle
+    return BuiltHead(out, problems, ref_bad, oracle)
 
 
 def compare(
@@ -370,6 +418,7 @@ def compare(
     vllm: dict,
     plain_vllm: dict | None,
     oracle: dict | None,
+    neighbours: dict | None,
     k: int,
     max_tokens: int,
     tolerance: float,
@@ -386,7 +435,7 @@ def compare(
     diff = [i for i, (a, b) in enumerate(zip(outs, eyas["outputs"])) if a != b]
     checks["vllm_output_equals_eyas_output"] = {"ok": not diff, "differing_prompts": diff}
     ec, vc = eyas["counts"], vllm["metrics"]
-    exact = spec.kind == "lens"
+    exact = spec.kind in ("lens", "window")
     if exact:
         same = ec["drafts"] == vc["drafts"] and ec["accepted_per_pos"] == vc["accepted_per_pos"]
         checks["acceptance_exact"] = {
@@ -408,7 +457,21 @@ def compare(
         }
     if oracle is not None:
         checks["oracle_equals_eyas"] = {"ok": oracle == ec, "oracle": oracle}
+    if neighbours is not None:
+        checks["window_changes_acceptance"] = window_sensitivity(ec, neighbours)
     return checks
+
+
+def window_sensitivity(counts: dict, neighbours: dict) -> dict:
+    """The window head's check is vacuous unless eyas counts every neighbouring window
+    otherwise than the served one (drafts or any position)."""
+    same = [w for w, c in neighbours.items() if c == counts]
+    return {
+        "ok": not same,
+        "eyas": counts,
+        "neighbours": {str(w): c for w, c in neighbours.items()},
+        "error": f"vacuous: windows {same} give the same counts" if same else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -522,16 +585,20 @@ def main(argv: list[str] | None = None) -> int:
         report["heads"][name] = entry
         try:
             log(f"{name}: build + export with eyas")
-            head_dir, problems, ref_bad, oracle = build_spec_head(spec, side, work, target_dir, trained_dir)
+            built = build_spec_head(spec, side, work, target_dir, trained_dir)
         except FileNotFoundError as err:  # no trained head on this machine: said, not hidden
             entry["skipped"] = str(err)
             report["skipped"].append(f"{name}: {err}")
             log(f"{name}: SKIPPED: {err}")
             continue
+        head_dir, problems, oracle = built.export_dir, built.problems, built.oracle
         entry.update(export_dir=str(head_dir), validator_problems=problems)
         checks = {"export_validates": {"ok": not problems, "problems": problems}}
-        if ref_bad is not None:
-            checks["head_equals_reference_math"] = {"ok": ref_bad == 0, "mismatching_slots": ref_bad}
+        if built.ref_bad is not None:
+            checks["head_equals_reference_math"] = {
+                "ok": built.ref_bad == 0,
+                "mismatching_slots": built.ref_bad,
+            }
         from eyas.export.reader import load_any_head
 
         head = load_any_head(head_dir, target_embed=side.embed, dtype=torch.float32)
@@ -546,7 +613,9 @@ def main(argv: list[str] | None = None) -> int:
             name,
             args.engine_timeout,
         )
-        checks.update(compare(spec, ey, vl, plain, oracle, args.k, args.max_tokens, args.tolerance))
+        checks.update(
+            compare(spec, ey, vl, plain, oracle, built.neighbours, args.k, args.max_tokens, args.tolerance)
+        )
         entry["vllm_startup_s"] = vl.get("startup_s")
         entry["eyas_summary"] = {
             key: ey["summary"].get(key) for key in ("tau", "tar", "per_position_acceptance")
@@ -564,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = HEADS[SERVE_HEAD]
         head_dir = work / "heads" / SERVE_HEAD
         if not (head_dir / "config.json").is_file():
-            head_dir, _, _, _ = build_spec_head(spec, side, work, target_dir, trained_dir)
+            head_dir = build_spec_head(spec, side, work, target_dir, trained_dir).export_dir
         log(f"vllm serve {head_dir} on 127.0.0.1:{args.port}")
         prompt = prompts[2 % len(prompts)]
         sv = run_vllm(

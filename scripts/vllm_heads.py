@@ -45,6 +45,7 @@ def build_lens_head(
     norm_output: bool = False,
     norm_before_residual: bool = False,
     num_hidden_layers: int = 1,
+    sliding_window: int | None = None,
     mask_token_id: int | None = None,
     mask_state: torch.Tensor | None = None,
     speculative_tokens: int = 3,
@@ -65,6 +66,7 @@ def build_lens_head(
         norm_output=norm_output,
         norm_before_residual=norm_before_residual,
         speculative_tokens=speculative_tokens,
+        sliding_window=sliding_window,
     )
     if algorithm == "peagle":
         options["mask_token_id"] = mask_token_id
@@ -102,6 +104,31 @@ def build_lens_head(
         mh[0, (n - 1) * ht :] = mask_state.float()
         head.mask_hidden.copy_(mh)
     return head.eval()
+
+
+@torch.no_grad()
+def add_window_attention(head: Eagle3Head, embed: torch.Tensor, scale: float) -> Eagle3Head:
+    """Make layer 0's attention matter, so the head's drafts depend on which keys its
+    (sliding) window lets it see: q_proj zero makes the attention uniform over the visible
+    keys, v_proj reads the normed token embedding of each key and keeps its component in the
+    top principal directions of the target's embedding `embed` [Vt, Ht] (one block of
+    head_dim per KV head), and o_proj writes `scale` times that back into the residual. The
+    draft is then the lens of the target's state plus the mean embedding of the last few
+    tokens: with a tied lm_head it leans towards recently seen tokens, more the smaller
+    the window. Layers past 0 keep their zero o_proj."""
+    attn = head.layers[0].self_attn
+    h, d, n_kv = head.config.hidden_size, attn.head_dim, attn.num_kv_heads
+    group = attn.num_heads // n_kv
+    basis = torch.linalg.svd(embed.float(), full_matrices=False).Vh[: n_kv * d]  # [n_kv*d, Ht]
+    attn.q_proj.weight.zero_()
+    v = torch.zeros_like(attn.v_proj.weight)
+    v[:, :h] = basis  # the embedding half of layer 0's [embed, hidden] input
+    attn.v_proj.weight.copy_(v)
+    o = torch.zeros_like(attn.o_proj.weight)
+    for g in range(n_kv):  # query head g*group reads KV head g; the other heads add nothing
+        o[:, g * group * d : (g * group + 1) * d] = scale * basis[g * d : (g + 1) * d].T
+    attn.o_proj.weight.copy_(o)
+    return head
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -209,3 +209,97 @@ def test_vllm_feeds_a_norm_output_head_its_normed_state_as_eyas_does(tmp_path):
     pre_norm, bad = side.lens_oracle(build_lens_head(side.model, speculative_tokens=3, **options), options)
     assert bad == 0
     assert pre_norm["accepted_per_pos"][1] > table[1]["vllm_count"]
+
+
+def test_the_window_head_drafts_depend_on_its_window(tiny_model):
+    """The e3-window head's attention adds the mean embedding of the keys its window sees,
+    so the same weights under another window draft otherwise once the context outgrows it
+    (the lens heads' zero o_proj would draft alike under any window)."""
+    from vllm_heads import add_window_attention
+
+    ids = [5, 17, 40, 40, 40, 99, 3, 250, 17, 17, 8, 60, 61, 62, 5, 17]
+    states = _lens_states(tiny_model, ids)
+    embed = tiny_model.get_input_embeddings().weight.detach()
+
+    def drafts(window, scale=16.0):
+        head = build_lens_head(tiny_model, speculative_tokens=3, sliding_window=window)
+        add_window_attention(head, embed, scale)
+        assert head.config.sliding_window == window
+        return _prefix_drafts(head, states, ids, 3)
+
+    four, five = drafts(4), drafts(5)
+    # a draft at position t + j reads keys t + j - W + 1 .. t + j: below W both windows see all
+    assert torch.equal(four[:4, 0], five[:4, 0]) and torch.equal(four[:2], five[:2])
+    assert not torch.equal(four, five)
+    assert not torch.equal(four, drafts(3))
+    lens = build_lens_head(tiny_model, speculative_tokens=3)
+    assert torch.equal(drafts(4, scale=0.0), _prefix_drafts(lens, states, ids, 3))
+
+
+def _prefix_drafts(head, states, ids, k):
+    """[n, k] drafts at every slot after a prefill of the slots before it (the head's
+    attention reads its KV cache, unlike the lens heads')."""
+    out = []
+    n = len(ids) - 1
+    for t in range(n):
+        cache = head.new_cache()
+        aux = torch.zeros(1, t + 1, head.config.fc_in_features)
+        aux[0, :, -states.shape[-1] :] = states[: t + 1]
+        tokens = torch.tensor([ids[1 : t + 2]])
+        got, _ = head.draft(cache, tokens, aux, torch.arange(t + 1)[None], k)
+        out.append(got[0])
+    return torch.stack(out)
+
+
+def test_the_window_check_calls_itself_vacuous_when_a_neighbour_counts_alike():
+    from vllm_check import window_sensitivity
+
+    counts = {"drafts": 10, "accepted_per_pos": [4, 2, 1]}
+    other = {"drafts": 10, "accepted_per_pos": [4, 2, 0]}
+    assert window_sensitivity(counts, {3: other, 5: dict(other, drafts=11)})["ok"]
+    got = window_sensitivity(counts, {3: other, 5: dict(counts)})
+    assert not got["ok"] and "windows [5]" in got["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason=".venv-vllm does not exist (scripts/setup_vllm_env.sh)")
+def test_vllm_applies_a_heads_sliding_window_as_eyas_does(tmp_path):
+    """Issue 51: the e3-window head (sliding_window 4, an attention that contributes) served
+    by vLLM accepts at every position exactly what eyas's offline decoding accepts, and
+    eyas counts windows 3 and 5 otherwise, so an engine that applied the window off by
+    one (or not at all) would fail the equality."""
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "vllm_check.py"),
+            "--heads",
+            "e3-window",
+            "--skip-setup",
+            "--no-serve",
+            "--num-prompts",
+            "4",
+            "--max-tokens",
+            "32",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--json-out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
+    assert out.is_file(), proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["checks_failed"] == [], report["checks_failed"]
+    checks = report["heads"]["e3-window"]["checks"]
+    assert checks["acceptance_exact"]["ok"] and checks["window_changes_acceptance"]["ok"]
+    assert "oracle_equals_eyas" not in checks
+    table = report["heads"]["e3-window"]["acceptance_table"]
+    assert [r["eyas_count"] for r in table] == [r["vllm_count"] for r in table]
+    assert table[1]["vllm_count"] > 0  # deeper drafts, read through the window, are accepted
+    exported = json.loads((tmp_path / "work" / "heads" / "e3-window" / "config.json").read_text())
+    assert exported["transformer_layer_config"]["sliding_window"] == 4
+    assert proc.returncode == 0
