@@ -56,7 +56,7 @@ def draft_time(
     on the host while the target's step is prepared)."""
     if head.algorithm == "ngram":
         return 0.0
-    kv = batch * head.kv_per_token * context
+    kv = batch * head.kv_bytes(context)
     wbytes = head.params * 2
     verified = 1 + (k if drafted is None else drafted)
     if get_algorithm(head.algorithm).draft_passes(k) == 1:  # parallel drafting

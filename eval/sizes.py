@@ -280,11 +280,21 @@ class HeadSize:
     algorithm: str  # eagle3 (K chained passes) or peagle (one pass)
     num_layers: int
     params: float
-    kv_per_token: float  # bytes
+    kv_per_token: float  # bytes, every layer
+    sliding_window: int | None = None  # every head layer's (head.sliding_window); None: all
+
+    def kv_bytes(self, context: int) -> float:
+        """Draft KV bytes of one sequence of `context` tokens: a windowed layer keeps (and
+        reads) its last `sliding_window` tokens only."""
+        return self.kv_per_token * min(context, self.sliding_window or context)
 
 
 def head_size(
-    target: TargetSize, algorithm: str, num_layers: int | None = None, draft_vocab: int = 32000
+    target: TargetSize,
+    algorithm: str,
+    num_layers: int | None = None,
+    draft_vocab: int = 32000,
+    sliding_window: int | None = None,
 ) -> HeadSize:
     """A head shaped like the target's decoder layers (DESIGN §3/§4): layer 0 reads 2H,
     fc from 3·Ht, lm_head over the draft vocabulary."""
@@ -294,4 +304,4 @@ def head_size(
     attn = h * (q + 2 * kv) + q * h
     mlp = 3 * h * target.intermediate_size
     params = attn0 + mlp + (layers - 1) * (attn + mlp) + 3 * h * h + min(draft_vocab, target.vocab_size) * h
-    return HeadSize(algorithm, layers, params, layers * 2 * kv * 2)
+    return HeadSize(algorithm, layers, params, layers * 2 * kv * 2, sliding_window)

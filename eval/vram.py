@@ -13,15 +13,17 @@ def vram_tax(
     hw: Hardware, target: TargetSize, head: HeadSize, context: int, memory_utilization: float = 0.9
 ) -> dict:
     """What the head costs in accelerator memory: its weights (bf16), its KV cache per token
-    and per sequence, and how many fewer sequences of `context` tokens fit in the KV budget
-    left after the target's weights (`memory_utilization` of the device, vLLM's default)."""
+    and per sequence (a windowed head's holds min(context, window) tokens per layer), and how
+    many fewer sequences of `context` tokens fit in the KV budget left after the target's
+    weights (`memory_utilization` of the device, vLLM's default)."""
     head_bytes = head.params * 2
     target_kv = target.kv_bytes(context)
-    head_kv = head.kv_per_token * context
+    head_kv = head.kv_bytes(context)
     out = {
         "head_weight_bytes": head_bytes,
         "draft_kv_bytes_per_token": head.kv_per_token,
         "draft_kv_bytes_per_sequence": head_kv,
+        "draft_sliding_window": head.sliding_window,
         "target_kv_bytes_per_sequence": target_kv,
         "target_weight_bytes": target.total_weight_bytes(),
         "context": context,
@@ -41,11 +43,12 @@ def vram_tax(
 
 
 def format_vram_tax(tax: dict) -> str:
+    window = tax.get("draft_sliding_window")
     line = (
         f"VRAM tax: head {tax['head_weight_bytes'] / 1e9:.2f} GB, draft KV "
         f"{tax['draft_kv_bytes_per_token'] / 1e3:.1f} "
         f"KB/token ({tax['draft_kv_bytes_per_sequence'] / 1e6:.1f} MB per sequence at {tax['context']} "
-        f"tokens, "
+        f"tokens{f' (window {window})' if window else ''}, "
         f"target {tax['target_kv_bytes_per_sequence'] / 1e6:.1f} MB)"
     )
     if "sequences_plain" in tax:

@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     plans = {}
     for alg in algorithms:
         layers = args.head_layers if len(algorithms) == 1 else None
-        head = S.head_size(target, alg, layers, args.draft_vocab)
+        head = S.head_size(target, alg, layers, args.draft_vocab, recipe.head.sliding_window)
         plans[alg] = P.plan(rates, hw, target, head, args.context, conc, args.max_k)
     out = Path(args.out) if args.out else recipe.paths.eval
     out.mkdir(parents=True, exist_ok=True)

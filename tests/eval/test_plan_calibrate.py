@@ -193,6 +193,24 @@ def test_vram_tax_counts_fewer_sequences_with_the_head():
     assert pe["fewer_sequences"] > tax["fewer_sequences"]
 
 
+def test_vram_tax_charges_a_windowed_head_its_window_not_the_context():
+    """A sliding-window head layer keeps its last W keys only: the draft KV of a sequence
+    is min(context, W) tokens per layer, so at long contexts more sequences fit."""
+    hw, target = S.HARDWARE["H200"], S.TARGETS["gpt-oss-120b"]
+    full = P.vram_tax(hw, target, S.head_size(target, "eagle3"), context=32768)
+    head = S.head_size(target, "eagle3", sliding_window=2048)
+    windowed = P.vram_tax(hw, target, head, context=32768)
+    assert windowed["draft_kv_bytes_per_sequence"] == head.kv_per_token * 2048
+    assert windowed["draft_kv_bytes_per_sequence"] * 16 == full["draft_kv_bytes_per_sequence"]
+    assert windowed["fewer_sequences"] < full["fewer_sequences"]
+    assert "(window 2048)" in P.format_vram_tax(windowed)
+    # below the window the window changes nothing
+    short = P.vram_tax(hw, target, head, context=1024)
+    assert short == dict(
+        P.vram_tax(hw, target, S.head_size(target, "eagle3"), 1024), draft_sliding_window=2048
+    )
+
+
 def test_plan_warns_when_most_draft_tokens_would_be_rejected(tmp_path):
     def run(acc):
         return json.loads(
