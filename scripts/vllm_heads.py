@@ -17,6 +17,10 @@ Options stay checkable the same way: `fc_norm` (weights 1) normalises the chunk 
 state to later chain steps, a draft vocabulary keeps the target's `lm_head` rows of its ids
 (d2t offsets). A P-EAGLE lens head drafts the lens at slot 0 and, at every mask slot, the
 lens of the fixed state `mask_state` placed in `mask_hidden`.
+
+`add_window_attention` turns a lens head with a `sliding_window` into one whose drafts
+depend on the keys the window shows (no replay predicts those; vllm_check.py compares
+it with eyas's own decoding instead).
 """
 
 from __future__ import annotations

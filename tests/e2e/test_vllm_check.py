@@ -256,9 +256,10 @@ def test_the_window_check_calls_itself_vacuous_when_a_neighbour_counts_alike():
 
     counts = {"drafts": 10, "accepted_per_pos": [4, 2, 1]}
     other = {"drafts": 10, "accepted_per_pos": [4, 2, 0]}
-    assert window_sensitivity(counts, {3: other, 5: dict(other, drafts=11)})["ok"]
-    got = window_sensitivity(counts, {3: other, 5: dict(counts)})
+    assert window_sensitivity(counts, {3: other, 5: dict(other, drafts=11), None: other})["ok"]
+    got = window_sensitivity(counts, {3: other, 5: dict(counts), None: other})
     assert not got["ok"] and "windows [5]" in got["error"]
+    assert set(got["neighbours"]) == {"3", "5", "none"}
 
 
 @pytest.mark.slow
@@ -267,8 +268,8 @@ def test_the_window_check_calls_itself_vacuous_when_a_neighbour_counts_alike():
 def test_vllm_applies_a_heads_sliding_window_as_eyas_does(tmp_path):
     """Issue 51: the e3-window head (sliding_window 4, an attention that contributes) served
     by vLLM accepts at every position exactly what eyas's offline decoding accepts, and
-    eyas counts windows 3 and 5 otherwise, so an engine that applied the window off by
-    one (or not at all) would fail the equality."""
+    eyas counts windows 3, 5 and none otherwise, so an engine that applied the window off
+    by one, or not at all, would fail the equality."""
     out = tmp_path / "report.json"
     proc = subprocess.run(
         [
@@ -296,6 +297,7 @@ def test_vllm_applies_a_heads_sliding_window_as_eyas_does(tmp_path):
     assert report["checks_failed"] == [], report["checks_failed"]
     checks = report["heads"]["e3-window"]["checks"]
     assert checks["acceptance_exact"]["ok"] and checks["window_changes_acceptance"]["ok"]
+    assert set(checks["window_changes_acceptance"]["neighbours"]) == {"3", "5", "none"}
     assert "oracle_equals_eyas" not in checks
     table = report["heads"]["e3-window"]["acceptance_table"]
     assert [r["eyas_count"] for r in table] == [r["vllm_count"] for r in table]
