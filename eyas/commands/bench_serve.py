@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_recipe_arguments(parser)
+    add_recipe_arguments(parser, progress=True)
     parser.add_argument(
         "--target", help="target model directory or Hub id (default: recipe target.name_or_path)"
     )
@@ -83,7 +83,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="output directory (default: run_dir/bench_serve)")
     parser.add_argument("--fresh", action="store_true", help="measure every level again instead of resuming")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
-    parser.add_argument("--no-progress", action="store_true")
 
 
 def _numbers(flag: str, text: str, cast=int, low: float = 1) -> list:
