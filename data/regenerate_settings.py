@@ -1,6 +1,6 @@
 """The settings of one regeneration job (DESIGN §2.1): built once from the recipe's
 `data.regenerate` (data/prepare.py::regeneration_settings) and passed whole to
-`regenerate` and its hf backend, so a new setting is one field here and one line in the
+`regenerate` and both its backends, so a new setting is one field here and one line in the
 builder."""
 
 from __future__ import annotations
