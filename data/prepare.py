@@ -287,7 +287,7 @@ def server_settings(rg, out_dir: Path, sampling: dict):
     """The server backend's settings from a recipe's `data.regenerate` and the `sampling`
     its replies are drawn with; with `launch`, the engine it starts (only when some
     conversation is left to regenerate), logging to `out_dir/engine.log`."""
-    from eyas.data.regenerate_server import ServerSettings
+    from eyas.data.regenerate_settings import ServerSettings
 
     engine = None
     if rg.launch:

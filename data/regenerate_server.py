@@ -24,18 +24,14 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from contextlib import nullcontext
 
 from eyas.core.engine_process import server_root
 from eyas.data.reasoning import assistant_message, effort_template_kwargs, is_empty_reply, mark_effort
+from eyas.data.regenerate_settings import RegenerationSettings, ServerSettings
 from eyas.data.templates import TemplateError, prompt_ids, render_with_mask, special_strings
 from eyas.data.tool_text import as_served, calls_mode
 from eyas.data.tools import copy_until_reply, openai_messages
-
-if TYPE_CHECKING:
-    from eyas.data.regenerate_settings import RegenerationSettings
 
 log = logging.getLogger(__name__)
 
@@ -44,22 +40,6 @@ RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
 class ServerError(RuntimeError):
     """The server refused a request for a reason retries cannot fix, or never answered."""
-
-
-@dataclass
-class ServerSettings:
-    urls: list[str]
-    model: str | None = None
-    concurrency: int = 256
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    timeout_s: float = 600.0
-    max_retries: int = 5
-    backoff_s: float = 0.5
-    # starts the engine for the run (a context manager factory), or None: it is running
-    engine: Callable[[], AbstractContextManager] | None = None
 
 
 def _strip_end(ids: list[int], ends: set[int]) -> list[int]:
