@@ -25,7 +25,7 @@ from typing import Any
 
 from eyas.core.hub_ids import looks_like_hub_id
 from eyas.data.json_rows import iter_json_array, iter_jsonl
-from eyas.data.sources import SOURCES, named_source
+from eyas.data.sources import SOURCES, resolve_source
 from eyas.data.tools import ToolFormatError, link_results, normalize_calls, normalize_tools
 
 log = logging.getLogger(__name__)
@@ -295,11 +295,10 @@ def _turns_of(row: dict) -> list:
 def iter_raw_rows(source: str, report: DropReport) -> Iterator[Any]:
     """Raw rows of one source: a named source (data/sources.py), a .json/.jsonl file, a
     dataset dir, or a `datasets` name."""
-    named = named_source(source)
-    if named is not None and named.rows is not None:
-        yield from named.rows()
+    rows, path = resolve_source(source)
+    if rows is not None:
+        yield from rows
         return
-    path = named.path() if named is not None else Path(source)
     if path.is_file():
         with open(path, encoding="utf-8", errors="surrogateescape") as f:
             head = f.read(4096).lstrip()

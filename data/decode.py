@@ -117,23 +117,6 @@ class DecodedReply:
 
 
 @torch.no_grad()
-def generate_replies_hf(
-    model,
-    tokenizer,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    generator: torch.Generator | None = None,
-) -> list[str]:
-    """The reply texts of `decode_replies_hf`."""
-    return [
-        r.text
-        for r in decode_replies_hf(model, tokenizer, prompts, max_new_tokens, temperature, top_p, generator)
-    ]
-
-
-@torch.no_grad()
 def decode_replies_hf(
     model,
     tokenizer,

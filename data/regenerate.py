@@ -228,15 +228,7 @@ def regenerate(
             todo.reverse()
             try:
                 regenerate_with_server(
-                    conversations,
-                    todo,
-                    tokenizer,
-                    s.server,
-                    writer.write_soon,
-                    s.max_prompt_tokens,
-                    bar,
-                    work,
-                    efforts,
+                    conversations, todo, tokenizer, s, writer.write_soon, bar, work, efforts
                 )
             finally:
                 writer.sync()

@@ -24,11 +24,11 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from contextlib import nullcontext
 
 from eyas.core.engine_process import server_root
 from eyas.data.reasoning import assistant_message, effort_template_kwargs, is_empty_reply, mark_effort
+from eyas.data.regenerate_settings import RegenerationSettings, ServerSettings
 from eyas.data.templates import TemplateError, prompt_ids, render_with_mask, special_strings
 from eyas.data.tool_text import as_served, calls_mode
 from eyas.data.tools import copy_until_reply, openai_messages
@@ -40,22 +40,6 @@ RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
 class ServerError(RuntimeError):
     """The server refused a request for a reason retries cannot fix, or never answered."""
-
-
-@dataclass
-class ServerSettings:
-    urls: list[str]
-    model: str | None = None
-    concurrency: int = 256
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    timeout_s: float = 600.0
-    max_retries: int = 5
-    backoff_s: float = 0.5
-    # starts the engine for the run (a context manager factory), or None: it is running
-    engine: Callable[[], AbstractContextManager] | None = None
 
 
 def _strip_end(ids: list[int], ends: set[int]) -> list[int]:
@@ -214,19 +198,19 @@ class ChatClient:
 
 
 async def _regenerate_all(
+    settings: RegenerationSettings,
+    tokenizer,
     conversations: Sequence[list[dict]],
     todo: Sequence[int],
-    tokenizer,
-    settings: ServerSettings,
+    efforts: Sequence[str | None],
     write: Callable[[int, list[dict], dict], None],
-    max_prompt_tokens: int | None,
-    ends: set[int],
     bar,
     work: dict[int, int],
-    efforts: Sequence[str | None],
 ) -> None:
-    client = ChatClient(settings)
-    sem = asyncio.Semaphore(settings.concurrency)
+    server, max_prompt_tokens = settings.server, settings.max_prompt_tokens
+    ends = {int(i) for i in tokenizer.convert_tokens_to_ids(special_strings(tokenizer)) if i is not None}
+    client = ChatClient(server)
+    sem = asyncio.Semaphore(server.concurrency)
     start, tokens, replies = time.monotonic(), 0, 0
 
     async def one(i: int) -> None:
@@ -249,7 +233,7 @@ async def _regenerate_all(
                     break
                 # a seed per conversation and turn: one seed for all would draw every
                 # reply from the same stream of uniforms
-                turn_seed = (settings.seed * 1_000_003 + i * 1009 + len(history)) % 2**31
+                turn_seed = (server.seed * 1_000_003 + i * 1009 + len(history)) % 2**31
                 out = await client.chat(history, efforts[i], turn_seed)
                 msg = out["message"]
                 reply = assistant_message(
@@ -306,33 +290,23 @@ def regenerate_with_server(
     conversations: Sequence[list[dict]],
     todo: Sequence[int],
     tokenizer,
-    settings: ServerSettings,
+    settings: RegenerationSettings,
     write: Callable[[int, list[dict], dict], None],
-    max_prompt_tokens: int | None,
     bar,
     work: dict[int, int] | None = None,
     efforts: Sequence[str | None] | None = None,
 ) -> None:
-    """Regenerate the conversations at `todo` through the server (conversation i at
-    reasoning effort `efforts[i]`, default none); `write(i, messages,
+    """Regenerate the conversations at `todo` through `settings.server` (conversation i at
+    reasoning effort `efforts[i]`, default none; a turn whose prompt is over
+    `settings.max_prompt_tokens` ends its conversation); `write(i, messages,
     token_checks)` is called as each one finishes (`token_checks`: turns compared with the
     server's token ids and the mismatches by reason, see `compare_reply_tokens`). `bar`
     advances by `work[i]` (its expected tokens) as conversation i finishes."""
     if not todo:
         return
-    ends = {int(i) for i in tokenizer.convert_tokens_to_ids(special_strings(tokenizer)) if i is not None}
-    with settings.engine() if settings.engine else nullcontext():
+    efforts = efforts or [None] * len(conversations)
+    server = settings.server
+    with server.engine() if server.engine else nullcontext():
         asyncio.run(
-            _regenerate_all(
-                conversations,
-                todo,
-                tokenizer,
-                settings,
-                write,
-                max_prompt_tokens,
-                ends,
-                bar,
-                work or {},
-                efforts or [None] * len(conversations),
-            )
+            _regenerate_all(settings, tokenizer, conversations, todo, efforts, write, bar, work or {})
         )

@@ -1,17 +1,30 @@
-"""The settings of one regeneration job (DESIGN §2.1): built once from the recipe's
-`data.regenerate` (data/prepare.py::regeneration_settings) and passed whole to
-`regenerate` and its hf backend, so a new setting is one field here and one line in the
-builder."""
+"""The settings of one regeneration job (DESIGN §2.1), the server backend's among them:
+built once from the recipe's `data.regenerate` (data/prepare.py::regeneration_settings)
+and passed whole to `regenerate` and both its backends, so a new setting is one field
+here and one line in the builder."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from eyas.data.regenerate_server import ServerSettings
+
+@dataclass
+class ServerSettings:
+    urls: list[str]
+    model: str | None = None
+    concurrency: int = 256
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    timeout_s: float = 600.0
+    max_retries: int = 5
+    backoff_s: float = 0.5
+    # starts the engine for the run (a context manager factory), or None: it is running
+    engine: Callable[[], AbstractContextManager] | None = None
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,11 @@ SOURCES: dict[str, NamedSource] = {
 }
 
 
-def named_source(name: str) -> NamedSource | None:
-    """The registered source of that name, or None (then `name` is a path or a Hub id)."""
-    return SOURCES.get(name)
+def resolve_source(source: str) -> tuple[Iterable[Any] | None, Path | None]:
+    """(rows, None) for a source that yields its own rows; else (None, path): a named
+    source's shipped file, or `source` itself as a path (a file, a dataset directory, or
+    a Hub id that names none here)."""
+    named = SOURCES.get(source)
+    if named is not None and named.rows is not None:
+        return named.rows(), None
+    return None, named.path() if named is not None else Path(source)

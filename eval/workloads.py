@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from eyas.data.sources import named_source
+from eyas.data.sources import resolve_source
 
 _PROMPT_KEYS = ("prompt", "question", "instruction", "input", "text", "query")
 _USER_ROLES = {"user", "human"}
@@ -80,11 +79,10 @@ def prompt_from_row(row: Any, index: int) -> WorkloadPrompt | None:
 def _raw_rows(source: str):
     from eyas.data.conversations import DropReport, iter_raw_rows, looks_like_hub_id
 
-    named = named_source(source)
-    if named is not None and named.rows is not None:
-        yield from named.rows()
+    rows, path = resolve_source(source)
+    if rows is not None:
+        yield from rows
         return
-    path = named.path() if named is not None else Path(source)
     if path.is_file():
         try:
             text = path.read_text(encoding="utf-8")

@@ -76,22 +76,24 @@ def _head_state(tensors: dict[str, torch.Tensor], cfg: DraftHeadConfig) -> dict[
     return state
 
 
-def load_exported_head(
+def load_any_head(
     head_dir: str | Path,
     target_embed: torch.Tensor | None = None,
     device="cpu",
     dtype: torch.dtype | None = None,
     target: TargetFacts | None = None,
 ) -> Eagle3Head:
-    """An `Eagle3Head` / `PEagleHead` from a speculators or EAGLE-format directory, read
-    as `eyas export --check` reads it (a head it reports problems with is refused, with
-    the same list); `target` holds the verifier's facts when the caller has its config.
+    """An `Eagle3Head` / `PEagleHead` from an eyas checkpoint, a speculators export or an
+    EAGLE-format export. An export is read as `eyas export --check` reads it (a head it
+    reports problems with is refused, with the same list); `target` holds the verifier's
+    facts when the caller has its config.
 
     The head's floats take the stored dtype (or `dtype`). Without `embed_tokens.weight`
     in the file, `target_embed` [Vt, Ht] fills the frozen embedding."""
+    if detect_format(head_dir) == "eyas":
+        head = load_head(head_dir, target_embed, device)
+        return head.to(dtype) if dtype is not None else head
     hd, tensors = inspect_export(head_dir, target)
-    if hd.layout == "eyas":
-        raise ExportFormatError(f"{head_dir} is an eyas checkpoint; use load_any_head or heads.io.load_head")
     if hd.problems:
         raise ExportValidationError(head_dir, hd.problems)
     for note in hd.notes:
@@ -123,17 +125,3 @@ def load_exported_head(
         )
     head.embedding_in_export = has_embed
     return head.to(device)
-
-
-def load_any_head(
-    head_dir: str | Path,
-    target_embed: torch.Tensor | None = None,
-    device="cpu",
-    dtype: torch.dtype | None = None,
-    target: TargetFacts | None = None,
-) -> Eagle3Head:
-    """Load an eyas checkpoint, a speculators export or an EAGLE-format export."""
-    if detect_format(head_dir) == "eyas":
-        head = load_head(head_dir, target_embed, device)
-        return head.to(dtype) if dtype is not None else head
-    return load_exported_head(head_dir, target_embed, device, dtype, target)

@@ -133,7 +133,7 @@ def export_head(
     dtype: torch.dtype | None = torch.bfloat16,
     verifier: str | None = None,
 ) -> Path:
-    """Export a head module. A head imported with its embedding (`load_exported_head`
+    """Export a head module. A head imported with its embedding (`load_any_head`
     sets `head.embedding_in_export`) ships it again, so import → export is lossless."""
     state = head_state_dict(head)
     if getattr(head, "embedding_in_export", False):

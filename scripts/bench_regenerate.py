@@ -214,8 +214,7 @@ def _regenerate_through_server(
     """Every first prompt through eyas's server backend, as `eyas prepare` sends them;
     returns the stored reply texts ("" where none came)."""
     from eyas.data.regenerate import regenerate
-    from eyas.data.regenerate_server import ServerSettings
-    from eyas.data.regenerate_settings import RegenerationSettings
+    from eyas.data.regenerate_settings import RegenerationSettings, ServerSettings
 
     conversations = [first + [{"role": "assistant", "content": ""}] for first in firsts]
     with tempfile.TemporaryDirectory() as tmp:

@@ -178,28 +178,29 @@ def _unloadable(name_or_path: str, what: str, err: Exception) -> str:
     return f"target {name_or_path!r}: cannot load its {what}: {first}"
 
 
+def _load_part(auto_class, what: str, name_or_path: str, revision: str | None, trust_remote_code: bool):
+    """`auto_class.from_pretrained` for the target's `what` (config, tokenizer); a missing
+    or unloadable target is a `TargetLoadError` saying what to do."""
+    path = resolve_target_path(name_or_path)
+    _check_target_exists(name_or_path, path)
+    try:
+        return auto_class.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise TargetLoadError(_unloadable(name_or_path, what, err)) from None
+
+
 def load_target_config(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False):
     """The target's transformers config alone (shapes, layer count) without its weights."""
     from transformers import AutoConfig
 
-    path = resolve_target_path(name_or_path)
-    _check_target_exists(name_or_path, path)
-    try:
-        return AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
-    except OSError as err:
-        raise TargetLoadError(_unloadable(name_or_path, "config", err)) from None
+    return _load_part(AutoConfig, "config", name_or_path, revision, trust_remote_code)
 
 
 def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False):
     """The target's tokenizer alone (what prepare needs without regeneration)."""
     from transformers import AutoTokenizer
 
-    path = resolve_target_path(name_or_path)
-    _check_target_exists(name_or_path, path)
-    try:
-        return AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
-    except OSError as err:
-        raise TargetLoadError(_unloadable(name_or_path, "tokenizer", err)) from None
+    return _load_part(AutoTokenizer, "tokenizer", name_or_path, revision, trust_remote_code)
 
 
 @dataclass

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_recipe_arguments(parser)
+    add_recipe_arguments(parser, progress=True)
     parser.add_argument(
         "--target", help="target model directory or Hub id (default: recipe target.name_or_path)"
     )
@@ -43,11 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-prompts", type=int, help="evenly spaced subset of the workload's first turns")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
-    parser.add_argument("--k", default="3,5,7", help="draft tokens per step, comma list")
-    parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="requests in flight, comma list")
-    parser.add_argument(
-        "--temperatures", default="0,0.7", help="comma list; 0 is greedy and checks losslessness"
-    )
+    _add_numbers(parser, "--k", "3,5,7", "draft tokens per step")
+    _add_numbers(parser, "--concurrency", "1,2,4,8,16,32", "requests in flight")
+    _add_numbers(parser, "--temperatures", "0,0.7", "temperatures (0 is greedy and checks losslessness)")
     parser.add_argument(
         "--repeats",
         type=int,
@@ -83,7 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="output directory (default: run_dir/bench_serve)")
     parser.add_argument("--fresh", action="store_true", help="measure every level again instead of resuming")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
-    parser.add_argument("--no-progress", action="store_true")
+
+
+def _add_numbers(parser: argparse.ArgumentParser, flag: str, default: str, what: str) -> None:
+    """A flag taking a comma list of numbers, which `_numbers` reads."""
+    parser.add_argument(flag, default=default, help=f"{what}, comma list")
 
 
 def _numbers(flag: str, text: str, cast=int, low: float = 1) -> list:

@@ -26,7 +26,7 @@ from eyas.commands._common import CommandError, add_recipe_arguments, load_recip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_recipe_arguments(parser)
+    add_recipe_arguments(parser, progress=True)
     parser.add_argument(
         "--budget", default="30m", help="the whole run's time, e.g. 30m, 1.5h, 90s (default 30m)"
     )
@@ -43,7 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the overrides are stage=seconds: print them against the sizing's estimates",
     )
     parser.add_argument("--json", action="store_true", help="print the sizing (or the report's rows) as JSON")
-    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
 def run(args: argparse.Namespace) -> int:

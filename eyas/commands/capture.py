@@ -30,7 +30,7 @@ from eyas.commands._common import add_recipe_arguments, load_recipe_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_recipe_arguments(parser)
+    add_recipe_arguments(parser, progress=True)
     parser.add_argument(
         "--verify",
         action="store_true",
@@ -42,7 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite", action="store_true", help="delete an existing cache of other data first"
     )
-    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
 def run(args: argparse.Namespace) -> int:

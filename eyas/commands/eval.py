@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_recipe_arguments(parser)
+    add_recipe_arguments(parser, progress=True)
     parser.add_argument("--target", help="target model (default: recipe target.name_or_path)")
     parser.add_argument(
         "--head",
@@ -85,7 +85,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="top-2 logit margin under which a greedy mismatch counts as a numerical near-tie",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
-    parser.add_argument("--no-progress", action="store_true")
 
 
 # The command-line flags that set an eval recipe key of the same name.

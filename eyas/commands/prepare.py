@@ -21,17 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from eyas.commands._common import CommandError, add_recipe_arguments, load_recipe_from_args
+from eyas.commands._common import CommandError, add_recipe_arguments, load_recipe_from_args, run_preflight
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_recipe_arguments(parser)
-    parser.add_argument(
-        "--no-preflight",
-        action="store_true",
-        help="skip the check that the recipe fits the GPUs found here (eyas preflight)",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_recipe_arguments(parser, progress=True, preflight=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,10 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from eyas.data.prepare import prepare
 
     recipe = load_recipe_from_args(args, writes="prepare")
-    if not args.no_preflight:
-        from eyas.preflight_check import check_stage
-
-        check_stage(recipe, "regenerate", args.recipe or "")
+    run_preflight(args, recipe, "regenerate")
     try:
         meta = prepare(recipe, progress=not args.no_progress)
     except (NoUsableDataError, FileNotFoundError) as err:

@@ -25,17 +25,11 @@ import argparse
 import json
 import logging
 
-from eyas.commands._common import CommandError, add_recipe_arguments, load_recipe_from_args
+from eyas.commands._common import CommandError, add_recipe_arguments, load_recipe_from_args, run_preflight
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_recipe_arguments(parser)
-    parser.add_argument(
-        "--no-preflight",
-        action="store_true",
-        help="skip the check that the recipe fits the GPUs found here (eyas preflight)",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_recipe_arguments(parser, progress=True, preflight=True)
     parser.add_argument("--json", action="store_true", help="print the run summary as JSON")
     parser.add_argument(
         "--restart",
@@ -56,10 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     recipe = load_recipe_from_args(args, writes="train")
-    if not args.no_preflight:
-        from eyas.preflight_check import check_stage
-
-        check_stage(recipe, "train", args.recipe or "")
+    run_preflight(args, recipe, "train")
     try:
         summary = train(
             recipe, progress=not args.no_progress, restart=args.restart, accept_changes=args.accept_changes

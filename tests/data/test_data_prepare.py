@@ -409,20 +409,20 @@ MORE_PROMPTS = PROMPTS + ["b c", "the cat", "one two three", "zz", "q"]
 def test_batched_greedy_replies_equal_model_generate_when_rows_stop_early(tiny_llama_dir, texts):
     """Rows leave the batch once stopped rows are a quarter of it (at once with 4 rows;
     with 9, a stopped row first rides along); the others' replies must not move."""
-    from eyas.data.decode import _takes_additive_decode_mask, generate_replies_hf
+    from eyas.data.decode import _takes_additive_decode_mask, decode_replies_hf
     from eyas.target.load import load_target
 
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
     model, tok = target.model, target.tokenizer
     assert _takes_additive_decode_mask(model)  # decode steps take our own 4D mask
     prompts = [tok(t)["input_ids"] for t in texts]
-    free = generate_replies_hf(model, tok, prompts, 12, 0.0, 1.0)
+    free = [r.text for r in decode_replies_hf(model, tok, prompts, 12, 0.0, 1.0)]
     # Make a token that some (not all) replies emit mid-way the stop token.
     first_ids = [tok(r)["input_ids"] for r in free]
     candidates = [i for ids in first_ids for i in ids[2:8]]
     stop = next(c for c in candidates if sum(c in ids for ids in first_ids) < len(prompts))
     model.generation_config.eos_token_id = [tok.eos_token_id, stop]
-    ours = generate_replies_hf(model, tok, prompts, 12, 0.0, 1.0)
+    ours = [r.text for r in decode_replies_hf(model, tok, prompts, 12, 0.0, 1.0)]
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), tok.pad_token_id or 0)
     mask = torch.zeros_like(ids)

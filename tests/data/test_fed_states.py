@@ -28,7 +28,7 @@ def test_decoded_states_equal_a_forward_over_the_fed_tokens(llama):
     """Prompt states from the left-padded prefill, reply states from the decode steps
     (rows stopping early, leaving the batch, and rows cut at max_new_tokens, whose last
     token gets one more forward) equal one plain forward over prompt + reply."""
-    from eyas.data.decode import decode_replies_hf, generate_replies_hf
+    from eyas.data.decode import decode_replies_hf
 
     model, tok = llama.model, llama.tokenizer
     prompts = [
@@ -42,7 +42,7 @@ def test_decoded_states_equal_a_forward_over_the_fed_tokens(llama):
     try:
         layer_ids = fed_state_layer_ids([1, 3, 5], len(model.model.layers))
         decoded = decode_replies_hf(model, tok, prompts, 10, 0.0, 1.0, state_layer_ids=layer_ids)
-        texts = generate_replies_hf(model, tok, prompts, 10, 0.0, 1.0)
+        texts = [r.text for r in decode_replies_hf(model, tok, prompts, 10, 0.0, 1.0)]
     finally:
         model.generation_config.eos_token_id = tok.eos_token_id
     assert [d.text for d in decoded] == texts

@@ -12,8 +12,7 @@ from support.real_formats import gpt_oss_tokenizer, qwen3_tokenizer
 
 from eyas.data.reasoning import draw_efforts
 from eyas.data.regenerate import regenerate
-from eyas.data.regenerate_server import ServerSettings
-from eyas.data.regenerate_settings import RegenerationSettings
+from eyas.data.regenerate_settings import RegenerationSettings, ServerSettings
 from eyas.data.templates import prompt_ids, render_with_mask
 
 HARMONY_REPLY = (

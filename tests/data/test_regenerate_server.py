@@ -14,8 +14,8 @@ from support.ports import free_port
 from eyas.cli import main
 from eyas.data.reasoning import assistant_message, decoded_reply, parse_harmony, split_think
 from eyas.data.regenerate import regenerate
-from eyas.data.regenerate_server import ServerError, ServerSettings
-from eyas.data.regenerate_settings import RegenerationSettings
+from eyas.data.regenerate_server import ServerError
+from eyas.data.regenerate_settings import RegenerationSettings, ServerSettings
 from eyas.data.templates import render_with_mask
 from eyas.recipe import RecipeError, recipe_from_dict
 

@@ -17,8 +17,7 @@ from test_real_formats import _masked
 from eyas.data.conversations import normalize_row
 from eyas.data.reasoning import decoded_reply
 from eyas.data.regenerate import done_records, regenerate
-from eyas.data.regenerate_server import ServerSettings
-from eyas.data.regenerate_settings import RegenerationSettings
+from eyas.data.regenerate_settings import RegenerationSettings, ServerSettings
 from eyas.data.templates import render_with_mask
 from eyas.data.tool_text import tool_support
 

@@ -10,8 +10,7 @@ from support.fake_openai_server import FakeChatServer
 from support.real_formats import gpt_oss_tokenizer, llama3_tokenizer, qwen3_tokenizer
 
 from eyas.data.regenerate import regenerate
-from eyas.data.regenerate_server import ServerSettings
-from eyas.data.regenerate_settings import RegenerationSettings
+from eyas.data.regenerate_settings import RegenerationSettings, ServerSettings
 from eyas.data.templates import prompt_ids, render_with_mask, special_strings
 
 CONV = [

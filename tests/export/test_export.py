@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 from support.tiny_heads import random_head, step_logits
 
-from eyas.export.reader import detect_format, load_any_head, load_exported_head
+from eyas.export.reader import detect_format, load_any_head
 from eyas.export.validate import validate_export
 from eyas.export.writer import export_checkpoint, export_head, serve_command
 from eyas.heads.io import save_head
@@ -39,7 +39,7 @@ def test_round_trip_same_logits(tmp_path, variant, fmt):
     head = random_head(**VARIANTS[variant])
     out = export_head(head, tmp_path / "x", fmt=fmt, dtype=torch.float32)
     assert validate_export(out) == []
-    back = load_exported_head(out, target_embed=_embed(head))
+    back = load_any_head(out, target_embed=_embed(head))
     assert type(back) is type(head)
     assert back.config == head.config
     assert torch.equal(step_logits(back), step_logits(head))
@@ -61,7 +61,7 @@ def test_bf16_export_equals_the_head_rounded_to_bf16(tmp_path):
     tensors = load_file(str(out / "model.safetensors"))
     assert tensors["fc.weight"].dtype == torch.bfloat16
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
-    back = load_exported_head(out, target_embed=_embed(head), dtype=torch.float32)
+    back = load_any_head(out, target_embed=_embed(head), dtype=torch.float32)
     rounded = random_head(draft_vocab_size=100, fc_norm=True)
     with torch.no_grad():
         for p in rounded.parameters():
@@ -77,7 +77,7 @@ def test_bf16_export_equals_the_head_rounded_to_bf16(tmp_path):
 def test_import_then_export_is_bit_for_bit(tmp_path, variant, fmt):
     head = random_head(**VARIANTS[variant])
     first = export_head(head, tmp_path / "a", fmt=fmt)
-    back = load_exported_head(first, target_embed=_embed(head))
+    back = load_any_head(first, target_embed=_embed(head))
     second = export_head(back, tmp_path / "b", fmt=fmt)
     a, b = load_file(str(first / "model.safetensors")), load_file(str(second / "model.safetensors"))
     assert sorted(a) == sorted(b)
@@ -95,7 +95,7 @@ def test_published_head_with_embedding_keeps_it_on_reexport(tmp_path):
     from safetensors.torch import save_file
 
     save_file(tensors, str(first / "model.safetensors"))
-    back = load_exported_head(first)  # no target_embed needed now
+    back = load_any_head(first)  # no target_embed needed now
     second = export_head(back, tmp_path / "b")
     assert "embed_tokens.weight" in load_file(str(second / "model.safetensors"))
 
@@ -162,7 +162,7 @@ def test_export_checkpoint_and_load_any_head(tmp_path, variant):
 def test_frozen_embedding_head_needs_target_embed(tmp_path):
     out = export_head(random_head(), tmp_path / "x")
     with pytest.raises(ValueError, match="target_embed"):
-        load_exported_head(out)
+        load_any_head(out)
 
 
 def test_serve_command():

@@ -14,7 +14,7 @@ from support.tiny_heads import HT, VT, random_head, verifier_dir
 
 from eyas.cli import main
 from eyas.export.head_dir import TargetFacts
-from eyas.export.reader import load_exported_head
+from eyas.export.reader import load_any_head
 from eyas.export.validate import ExportValidationError, inspect_export, validate_export
 from eyas.export.writer import ExportFormatError, export_head
 
@@ -46,7 +46,7 @@ def test_a_pickle_only_directory_is_refused_by_check_and_import_with_the_convers
     problems = validate_export(d)
     assert len(problems) == 1 and "pytorch_model.bin" in problems[0] and "weights_only=True" in problems[0]
     with pytest.raises(ExportValidationError) as err:
-        load_exported_head(d, target_embed=EMBED)
+        load_any_head(d, target_embed=EMBED)
     assert err.value.problems == problems
     assert main(["export", "--check", str(d)]) == 1
     assert "pickle" in capsys.readouterr().err
@@ -54,7 +54,7 @@ def test_a_pickle_only_directory_is_refused_by_check_and_import_with_the_convers
     tensors = torch.load(d / "pytorch_model.bin", weights_only=True)
     save_file(tensors, str(d / "model.safetensors"))
     assert validate_export(d) == []
-    load_exported_head(d, target_embed=EMBED)
+    load_any_head(d, target_embed=EMBED)
 
 
 def test_sharded_safetensors_with_an_index_are_read(tmp_path):
@@ -68,7 +68,7 @@ def test_sharded_safetensors_with_an_index_are_read(tmp_path):
     weight_map = {n: f"model-0000{1 if i < half else 2}-of-00002.safetensors" for i, n in enumerate(names)}
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     assert validate_export(d) == []
-    head = load_exported_head(d, target_embed=EMBED)
+    head = load_any_head(d, target_embed=EMBED)
     assert torch.equal(head.fc.weight, tensors["fc.weight"])
     (d / "model-00002-of-00002.safetensors").unlink()
     assert "names shards that are missing" in validate_export(d)[0]
@@ -85,7 +85,7 @@ def test_a_head_that_contradicts_its_verifier_is_refused_by_both(tmp_path):
     assert "vocab_size 320 != the verifier's vocab_size 400" in text
     assert "fall outside the target's 6 layers" in text
     with pytest.raises(ExportValidationError) as err:
-        load_exported_head(d, target_embed=EMBED, target=wrong)
+        load_any_head(d, target_embed=EMBED, target=wrong)
     assert err.value.problems == problems
 
 
@@ -109,7 +109,7 @@ def test_absent_aux_ids_take_vllms_default_for_the_verifier_with_a_note(tmp_path
     hd, _ = inspect_export(d, _facts(num_layers=12))
     assert hd.problems == []
     assert any("[2, 6, 9], vLLM's default" in n for n in hd.notes)
-    head = load_exported_head(d, target_embed=EMBED, target=_facts(num_layers=12))
+    head = load_any_head(d, target_embed=EMBED, target=_facts(num_layers=12))
     assert head.config.aux_layer_ids == [2, 6, 9] and head.config.target_num_layers == 12
 
 
@@ -118,7 +118,7 @@ def test_eagle3_without_norm_before_residual_reads_vllms_default(tmp_path):
     _edit(d, lambda c: c.pop("norm_before_residual"))
     hd, _ = inspect_export(d)
     assert hd.problems == [] and any("norm_before_residual absent: False" in n for n in hd.notes)
-    assert load_exported_head(d, target_embed=EMBED).config.norm_before_residual is False
+    assert load_any_head(d, target_embed=EMBED).config.norm_before_residual is False
 
 
 def test_a_t2d_left_out_is_derived_from_d2t(tmp_path):
@@ -128,7 +128,7 @@ def test_a_t2d_left_out_is_derived_from_d2t(tmp_path):
     tensors.pop("t2d")
     save_file(tensors, str(d / "model.safetensors"))
     assert validate_export(d) == []
-    assert torch.equal(load_exported_head(d, target_embed=EMBED).t2d, src.t2d)
+    assert torch.equal(load_any_head(d, target_embed=EMBED).t2d, src.t2d)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from support.published_heads import (
 
 from eyas.cli import main
 from eyas.export.head_dir import TargetFacts
-from eyas.export.reader import load_exported_head
+from eyas.export.reader import load_any_head
 from eyas.export.validate import validate_export
 from eyas.export.writer import export_head
 
@@ -68,7 +68,7 @@ def test_published_head_imports_and_check_agrees(tmp_path, name, capsys):
     facts = _facts(name)
     problems = validate_export(d, facts)
     assert problems == [], "\n".join(problems)
-    head = load_exported_head(d, target_embed=torch.zeros(VT, H), target=facts)
+    head = load_any_head(d, target_embed=torch.zeros(VT, H), target=facts)
     cfg = head.config
     published_ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids"
@@ -114,7 +114,7 @@ def test_published_head_against_a_wrong_verifier_is_refused_by_both(tmp_path, na
     problems = validate_export(d, wrong)
     assert any("vocab_size 320 != the verifier's vocab_size 328" in p for p in problems)
     with pytest.raises(ExportValidationError) as err:
-        load_exported_head(d, target_embed=torch.zeros(VT, H), target=wrong)
+        load_any_head(d, target_embed=torch.zeros(VT, H), target=wrong)
     assert err.value.problems == problems
 
 
@@ -136,7 +136,7 @@ def test_amazon_peagle_tensor_layout_imports(tmp_path):
     renamed.pop("t2d")
     save_file(renamed, str(d / "model.safetensors"))
     assert validate_export(d) == []
-    head = load_exported_head(d)
+    head = load_any_head(d)
     assert torch.equal(head.mask_hidden, src.mask_hidden.to(head.mask_hidden.dtype))
     assert torch.equal(
         head.layers[0].self_attn.q_proj.weight, src.layers[0].self_attn.q_proj.weight.to(torch.bfloat16)

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from support.tiny_heads import random_head, verifier_dir
 
 from eyas.cli import main
-from eyas.export.reader import load_exported_head
+from eyas.export.reader import load_any_head
 from eyas.export.validate import ExportValidationError, check_export, validate_export
 from eyas.export.writer import export_head
 
@@ -234,7 +234,7 @@ def test_broken_export_is_rejected_by_name(tmp_path, case):
     with pytest.raises(ExportValidationError):
         check_export(d)
     with pytest.raises(ExportValidationError) as err:  # import reads the directory the same way
-        load_exported_head(d, target_embed=torch.zeros(320, 64))
+        load_any_head(d, target_embed=torch.zeros(320, 64))
     assert err.value.problems == problems
 
 

@@ -73,7 +73,7 @@ def test_an_unregistered_algorithm_is_refused_by_the_recipe(tmp_path):
 
 def test_a_registered_algorithm_trains_exports_and_loads(tmp_path, tiny_llama_dir, toy_registered):
     from eyas.export.hub import model_card
-    from eyas.export.reader import export_config, load_exported_head
+    from eyas.export.reader import export_config, load_any_head
     from eyas.export.validate import validate_export
     from eyas.export.writer import export_checkpoint
     from eyas.recipe import RecipeError, recipe_from_dict
@@ -98,7 +98,7 @@ def test_a_registered_algorithm_trains_exports_and_loads(tmp_path, tiny_llama_di
     config = (out / "config.json").read_text()
     assert '"ToySpeculator"' in config and '"speculators_model_type": "toy"' in config
     cfg = export_config(out)
-    head = load_exported_head(out, target_embed=torch.zeros(cfg.vocab_size, cfg.target_hidden_size))
+    head = load_any_head(out, target_embed=torch.zeros(cfg.vocab_size, cfg.target_hidden_size))
     assert type(head) is ToyHead and head.config.algorithm == "toy"
     assert validate_export(out) == []
     card = model_card(out, "me/toy-head")

@@ -97,7 +97,7 @@ def test_a_scaling_the_head_cannot_apply_is_refused_naming_the_key(scaling, word
 def test_a_scaled_target_gives_its_scaling_to_the_head_and_the_export(tmp_path):
     from transformers import LlamaConfig
 
-    from eyas.export.reader import load_exported_head
+    from eyas.export.reader import load_any_head
     from eyas.export.writer import export_head
     from eyas.heads.algorithms import build_head
 
@@ -122,7 +122,7 @@ def test_a_scaled_target_gives_its_scaling_to_the_head_and_the_export(tmp_path):
     layer = json.loads((out / "config.json").read_text())["transformer_layer_config"]
     assert layer["rope_scaling"] == LLAMA3
     assert layer["rope_parameters"] == {**LLAMA3, "rope_theta": 500000.0}
-    back = load_exported_head(out, target_embed=torch.zeros(320, 64))
+    back = load_any_head(out, target_embed=torch.zeros(320, 64))
     assert back.config.rope_scaling == LLAMA3
     attn = back.layers[0].self_attn
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding

@@ -13,7 +13,7 @@ import torch
 from support.tiny_heads import tiny_head_config
 
 from eyas.export.head_dir import TargetFacts, read_head_dir
-from eyas.export.reader import load_exported_head
+from eyas.export.reader import load_any_head
 from eyas.export.writer import export_head
 from eyas.heads.algorithms import build_head
 from eyas.heads.config import DraftHeadConfig
@@ -57,7 +57,7 @@ def test_export_writes_the_window_vllm_reads_and_import_reads_it_back(tmp_path, 
     layer = raw.get("transformer_layer_config", raw)
     assert layer["layer_types"] == ["sliding_attention", "sliding_attention"]
     assert layer["sliding_window"] == 512
-    back = load_exported_head(out, target_embed=torch.zeros(320, 64), target=FACTS)
+    back = load_any_head(out, target_embed=torch.zeros(320, 64), target=FACTS)
     assert back.config.sliding_window == 512
     verifier = tmp_path / "verifier"
     verifier.mkdir()
