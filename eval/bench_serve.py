@@ -284,10 +284,12 @@ def run_bench(s: BenchSettings, out_dir: Path, progress: bool = True) -> dict:
 
 def offline_results(s: BenchSettings, out_dir: Path) -> list[dict]:
     """eyas's offline τ on the bench's prompts, in float32 and the engine's dtype; kept in
-    out_dir/offline.json and reused while the settings and drafters are the same."""
-    from eyas.eval.offline_match import offline_taus
+    out_dir/offline.json and reused while the settings, the drafters and eyas's offline rule
+    are the same."""
+    from eyas.eval.offline_match import OFFLINE_RULE, offline_taus
 
     key = {
+        "rule": OFFLINE_RULE,
         "fingerprint": s.fingerprint(),
         "drafters": [d.identity(k) for d in s.drafters if d.kind != "plain" for k in s.ks],
         "temperatures": s.temperatures,

@@ -12,6 +12,11 @@ import math
 
 from eyas.eval.report import summarize
 
+# What eyas's offline decoding computes, as a number a saved offline.json is keyed by: bumped
+# when a change of eyas moves its τ for the same settings, so a rerun does not reuse the old
+# one (2: the head runs in the target's dtype, eval/evaluate.py::load_eval_head).
+OFFLINE_RULE = 2
+
 
 def tau_interval(traces) -> tuple[float, float, float]:
     """(τ, low, high): τ = 1 + accepted / steps over all requests (§6's τ), ± 2 standard errors

@@ -443,3 +443,20 @@ def test_offline_tau_interval_covers_the_seeded_spread():
     tau, low, high = tau_interval(mixed)
     assert tau == pytest.approx(1 + 22 / 16) and low < tau < high
     assert tau_interval(mixed * 4)[2] - tau_interval(mixed * 4)[1] < high - low  # more requests, narrower
+
+
+def test_offline_results_are_reused_only_under_the_same_offline_rule(tmp_path, monkeypatch):
+    """A saved offline.json is reused for the same settings, and decoded again once eyas's
+    offline rule changed (an older eyas computed it otherwise)."""
+    import eyas.eval.offline_match as M
+
+    s = _settings(tmp_path, drafters=[B.Drafter("plain", "plain"), B.Drafter("ngram", "ngram")])
+    calls = []
+    monkeypatch.setattr(M, "offline_taus", lambda *a: calls.append(a) or [{"drafter": "ngram", "tau": 1.5}])
+    out = tmp_path / "bench"
+    out.mkdir()
+    first = B.offline_results(s, out)
+    assert B.offline_results(s, out) == first and len(calls) == 1
+    monkeypatch.setattr(M, "OFFLINE_RULE", M.OFFLINE_RULE + 1)
+    B.offline_results(s, out)
+    assert len(calls) == 2
