@@ -161,6 +161,18 @@ def test_the_norm_output_lens_head_drafts_otherwise_than_without_it(tiny_model):
     assert not torch.equal(both[0][:, 1:], both[1][:, 1:])
 
 
+def _check_one_head(tmp_path, name: str):
+    """`scripts/vllm_check.py` on one head (4 prompts × 32 tokens, no serve check): its
+    JSON report and the finished process."""
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "vllm_check.py"), "--heads", name, "--skip-setup",
+           "--no-serve", "--num-prompts", "4", "--max-tokens", "32", "--work-dir", str(tmp_path / "work"),
+           "--json-out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3000)
+    assert out.is_file(), proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason=".venv-vllm does not exist (scripts/setup_vllm_env.sh)")
@@ -168,30 +180,7 @@ def test_vllm_feeds_a_norm_output_head_its_normed_state_as_eyas_does(tmp_path):
     """EAGLE 3.1's `norm_output` (issue 53): vLLM's llama EAGLE-3 drafter feeds the normed
     state to the next draft step when the config declares it. The e31 lens head served
     at K = 3 accepts at every position exactly what eyas's offline decoding accepts."""
-    out = tmp_path / "report.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "vllm_check.py"),
-            "--heads",
-            "e31",
-            "--skip-setup",
-            "--no-serve",
-            "--num-prompts",
-            "4",
-            "--max-tokens",
-            "32",
-            "--work-dir",
-            str(tmp_path / "work"),
-            "--json-out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=3000,
-    )
-    assert out.is_file(), proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report, proc = _check_one_head(tmp_path, "e31")
     assert report["checks_failed"] == [], report["checks_failed"]
     table = report["heads"]["e31"]["acceptance_table"]
     assert [r["eyas_count"] for r in table] == [r["vllm_count"] for r in table]
@@ -270,30 +259,7 @@ def test_vllm_applies_a_heads_sliding_window_as_eyas_does(tmp_path):
     by vLLM accepts at every position exactly what eyas's offline decoding accepts, and
     eyas counts windows 3, 5 and none otherwise, so an engine that applied the window off
     by one, or not at all, would fail the equality."""
-    out = tmp_path / "report.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "vllm_check.py"),
-            "--heads",
-            "e3-window",
-            "--skip-setup",
-            "--no-serve",
-            "--num-prompts",
-            "4",
-            "--max-tokens",
-            "32",
-            "--work-dir",
-            str(tmp_path / "work"),
-            "--json-out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=3000,
-    )
-    assert out.is_file(), proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report, proc = _check_one_head(tmp_path, "e3-window")
     assert report["checks_failed"] == [], report["checks_failed"]
     checks = report["heads"]["e3-window"]["checks"]
     assert checks["acceptance_exact"]["ok"] and checks["window_changes_acceptance"]["ok"]
