@@ -255,6 +255,7 @@ def regeneration_settings(recipe, target, out_dir: Path, progress: bool = True) 
     return RegenerationSettings(
         backend=rg.backend,
         batch_size=rg.batch_size,
+        batch_tokens=rg.batch_tokens,
         **sampling,
         reasoning_effort=rg.reasoning_effort,
         progress=progress,

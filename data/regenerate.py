@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from eyas.core.length_batches import pack_group
 from eyas.data.decode import decode_replies_hf
 from eyas.data.fed_states import write_fed_states
 from eyas.data.reasoning import (
@@ -251,6 +252,16 @@ def regenerate(
     return [done[i]["messages"] if i in done else conversations[i] for i in range(len(conversations))]
 
 
+def _hf_batches(todo: list[int], first_prompt: dict, s: RegenerationSettings) -> list[list[int]]:
+    """`todo` (shortest first prompt first) cut into batches of `batch_size` conversations;
+    with `batch_tokens`, batches sized by their padded prompt + reply slots instead, the
+    longest first, so a run that cannot hold its longest prompts fails at the start."""
+    if s.batch_tokens is None:
+        return [todo[start : start + s.batch_size] for start in range(0, len(todo), s.batch_size)]
+    slots = {i: len(first_prompt[i]) + s.max_new_tokens for i in todo}
+    return pack_group(todo, slots, s.batch_tokens, s.batch_size)
+
+
 def _regenerate_hf(
     conversations,
     todo,
@@ -263,11 +274,10 @@ def _regenerate_hf(
     efforts,
 ) -> None:
     """The hf backend: batches of conversations, the next reply of every one decoded together."""
-    batch_size, max_prompt_tokens, states_dir = s.batch_size, s.max_prompt_tokens, s.states_dir
+    max_prompt_tokens, states_dir = s.max_prompt_tokens, s.states_dir
     parse_calls = {i: calls_mode(tokenizer, conversations[i]) for i in todo}
     served = {i: as_served(tokenizer, conversations[i]) for i in todo}
-    for start in range(0, len(todo), batch_size):
-        batch = todo[start : start + batch_size]
+    for batch in _hf_batches(todo, first_prompt, s):
         histories = {i: [] for i in batch}
         fed: dict[int, tuple[list[int], torch.Tensor]] = {}  # conversation -> its last kept reply's call
         pos = dict.fromkeys(batch, 0)  # each conversation's next recorded message

@@ -31,6 +31,7 @@ class ServerSettings:
 class RegenerationSettings:
     backend: str = "hf"  # "hf" decodes in this process, "server" asks `server`'s engine
     batch_size: int = 16  # conversations decoded together (hf)
+    batch_tokens: int | None = None  # and at most this many padded prompt + reply slots (hf)
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0

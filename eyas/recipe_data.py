@@ -37,6 +37,10 @@ class RegenerateSection(StrictSection):
     # thinking off for `none`). None: the template's default (data/reasoning.py).
     reasoning_effort: ReasoningEffort | dict[ReasoningEffort, Annotated[float, Field(gt=0)]] | None = None
     batch_size: int = Field(16, ge=1)
+    # hf backend: a batch also stops growing before its rows x (longest first prompt +
+    # max_new_tokens) pass this, so long prompts decode a few at a time while short ones
+    # fill batch_size (left padding makes every row as long as the longest). None: no cap.
+    batch_tokens: int | None = Field(None, ge=1)
     seed: int = 0
     # Keep the states the target computes while regenerating (hf backend, offline
     # features) so `eyas capture` copies them instead of running the target again over the

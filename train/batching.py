@@ -17,25 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def pack_group(
-    indices: Sequence[int], lengths: Sequence[int], batch_tokens: int, max_batch_size: int
-) -> list[list[int]]:
-    """Greedy packing of one group sorted by length (longest first): a batch grows while
-    `longest × (count + 1) <= batch_tokens` and count < max_batch_size. A sample longer
-    than `batch_tokens` gets a batch of its own."""
-    order = sorted(indices, key=lambda i: (-lengths[i], i))
-    batches, cur, longest = [], [], 0
-    for i in order:
-        n = lengths[i]
-        if cur and (max(longest, n) * (len(cur) + 1) > batch_tokens or len(cur) >= max_batch_size):
-            batches.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    if cur:
-        batches.append(cur)
-    return batches
+from eyas.core.length_batches import pack_group
 
 
 def plan_epoch(

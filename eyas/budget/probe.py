@@ -14,13 +14,13 @@ def measure(recipe, progress: bool = True) -> Rates:
     """Run the probe (module docstring) and return what it measured."""
     import torch
 
+    from eyas.core.length_batches import pack_group
     from eyas.data.conversations import DropReport
     from eyas.data.prepare import gather_conversations, regeneration_settings, render_all
     from eyas.data.regenerate import before_first_reply, done_records, regenerate
     from eyas.data.templates import prompt_ids
     from eyas.eval.speculate import greedy_decode
     from eyas.target.load import load_recipe_target, resolve_target_path
-    from eyas.train.batching import pack_group
     from eyas.train.step_timing import build_head_step, time_head_steps
 
     cfg, rg, t = recipe.data, recipe.data.regenerate, recipe.target
@@ -123,10 +123,10 @@ def _measure_training_only(recipe) -> Rates:
     """The probe for a recipe that reads another run's data (data.from_run): nothing to
     regenerate or capture, so the training steps at the batches the reused samples pack
     into, and the eval's decoding. Counts are train samples (one per "conversation")."""
+    from eyas.core.length_batches import pack_group
     from eyas.data.prepare import load_prepared, read_prepared_meta
     from eyas.eval.speculate import greedy_decode
     from eyas.target.load import load_recipe_target
-    from eyas.train.batching import pack_group
     from eyas.train.step_timing import build_head_step, time_head_steps
 
     read_prepared_meta(recipe.paths.prepared, made_by=recipe.data.from_run)

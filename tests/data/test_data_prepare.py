@@ -523,3 +523,59 @@ def test_repeated_conversations_are_dropped_and_counted(tiny_llama_dir, tmp_path
     assert len((run / "prepared" / "regenerated.jsonl").read_text().splitlines()) == 3
     assert main([*args, f"run_dir={tmp_path}/r2", "data.dedupe=false"]) == 0
     assert len((tmp_path / "r2" / "prepared" / "regenerated.jsonl").read_text().splitlines()) == 4
+
+
+def test_regeneration_batch_tokens_decodes_long_prompts_a_few_at_a_time(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """`data.regenerate.batch_tokens`: long prompts decode in small batches and short ones
+    fill batch_size, every batch within its padded budget, every conversation once, and the
+    replies the same as with count batches."""
+    import eyas.data.regenerate as regen
+    from eyas.data.regenerate import before_first_reply, prompt_ids, regenerate
+    from eyas.target.load import load_target
+
+    target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    lengths = (3, 4, 5, 6, 80, 90)
+    convs = [
+        [{"role": "user", "content": " ".join(["w"] * n)}, {"role": "assistant", "content": "old"}]
+        for n in lengths
+    ]
+    tokens = [len(prompt_ids(target.tokenizer, before_first_reply(c))) for c in convs]
+    seen: list[list[int]] = []
+    decode = regen.decode_replies_hf
+    monkeypatch.setattr(
+        regen,
+        "decode_replies_hf",
+        lambda m, t, prompts, *a, **k: (
+            seen.append([len(p) for p in prompts]) or decode(m, t, prompts, *a, **k)
+        ),
+    )
+    budget, new = 2 * (max(tokens) + 4), 4
+    out = tmp_path / "budget.jsonl"
+    regenerate(
+        convs,
+        target.tokenizer,
+        out,
+        RegenerationSettings(batch_size=4, batch_tokens=budget, max_new_tokens=new, progress=False),
+        model=target.model,
+    )
+    assert sorted(n for batch in seen for n in batch) == sorted(tokens)
+    assert all(len(b) == 1 or len(b) * (max(b) + new) <= budget for b in seen), seen
+    assert len(seen[0]) == 2 and max(seen[0]) == max(tokens)  # the long pair first, together
+    assert max(len(b) for b in seen) == 4  # the short ones fill batch_size
+    by_count = tmp_path / "count.jsonl"
+    regenerate(
+        convs,
+        target.tokenizer,
+        by_count,
+        RegenerationSettings(batch_size=4, max_new_tokens=new, progress=False),
+        model=target.model,
+    )
+
+    def replies(path):
+        return {
+            json.loads(line)["index"]: json.loads(line)["messages"] for line in path.read_text().splitlines()
+        }
+
+    assert replies(out) == replies(by_count)
