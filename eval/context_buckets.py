@@ -63,24 +63,29 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _se(x) -> str:
+    return "" if x is None else f" ±{x:.2f}"
+
+
 def context_lines(report: dict) -> list[str]:
-    """The printed table: per drafter, τ and first-position acceptance in each bucket."""
+    """The printed table: per drafter, τ (± its standard error over sequences,
+    eval/report.py::tau_standard_error) and first-position acceptance in each bucket."""
     by_drafter = report.get("per_context") or {}
     labels = bucket_labels(report.get("context_buckets") or DEFAULT_EDGES)
     present = [label for label in labels if any(label in b for b in by_drafter.values())]
     if not present:
         return []
-    rows = [["by context (tau / a1 / steps)", *present]]
+    rows = [["by context (tau ± se / a1 / steps)", *present]]
     for name, buckets in by_drafter.items():
         cells = []
         for label in present:
             b = buckets.get(label)
             a1 = (b or {}).get("per_position_acceptance") or [None]
-            cells.append(
-                "-"
-                if b is None
-                else f"{_fmt(b['tau'])} / {'-' if a1[0] is None else f'{a1[0]:.0%}'} / {b['steps']}"
-            )
+            if b is None:
+                cells.append("-")
+                continue
+            first = "-" if a1[0] is None else f"{a1[0]:.0%}"
+            cells.append(f"{_fmt(b['tau'])}{_se(b.get('tau_se'))} / {first} / {b['steps']}")
         rows.append([name, *cells])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [

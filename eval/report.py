@@ -25,6 +25,21 @@ LOW_FIRST_ACCEPTANCE = 0.30
 REPORT_NAME = RunPaths.EVAL_REPORT
 
 
+def tau_standard_error(traces) -> float | None:
+    """The standard error of τ with sequences as the unit: τ - 1 is a ratio (tokens
+    accepted over verify steps) of sums over sequences, and the steps of one sequence move
+    together (one easy prompt accepts long runs throughout), so the steps are not
+    independent draws. None below two sequences with a step."""
+    parts = [(sum(t.accepted), len(t.drafted)) for t in traces if t.drafted]
+    m = len(parts)
+    if m < 2:
+        return None
+    steps = sum(n for _, n in parts)
+    rate = sum(a for a, _ in parts) / steps
+    spread = sum((a - rate * n) ** 2 for a, n in parts)
+    return (m / (m - 1) * spread) ** 0.5 / steps
+
+
 def summarize(traces, k: int) -> dict:
     """Aggregate `DecodeTrace`s of one drafter (or of plain decoding) into a summary dict."""
     steps = sum(len(t.drafted) for t in traces)
@@ -69,6 +84,9 @@ def summarize(traces, k: int) -> dict:
                 "tau_from_acceptance": expected_tokens_per_step(known),
             }
         )
+        se = tau_standard_error(traces)
+        if se is not None:
+            out["tau_se"] = se
         if any(exp_n):
             out["expected_acceptance"] = [s / n if n else None for s, n in zip(exp_sum, exp_n)]
     return out
@@ -295,6 +313,6 @@ def summarize_by_context(traces, k: int, edges=DEFAULT_EDGES) -> dict[str, dict]
         out[label] = {
             "steps": summary.get("verify_steps", 0),
             "context_range": [min(contexts), max(contexts)],
-            **{key: summary.get(key) for key in ("tau", "tar", "per_position_acceptance")},
+            **{key: summary.get(key) for key in ("tau", "tau_se", "tar", "per_position_acceptance")},
         }
     return out

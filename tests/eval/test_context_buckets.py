@@ -106,4 +106,27 @@ def test_eval_reports_tau_per_context_bucket(tmp_path, tiny_llama_dir, capsys):
     assert (tmp_path / "ev" / "eval_by_context.png").stat().st_size > 1000
     rc = main(["eval", *args, "--head", str(tmp_path / "head"), "--out", str(tmp_path / "ev2")])
     printed = capsys.readouterr().out
-    assert rc == 0 and "by context (tau / a1 / steps)" in printed
+    assert rc == 0 and "by context (tau ± se / a1 / steps)" in printed
+
+
+def test_tau_standard_error_treats_sequences_as_the_unit():
+    """Three sequences of two K=2 steps accepting 4, 0 and 2 tokens: τ = 2; the error of
+    a ratio of sums over 3 sequences is sqrt(3/2 · Σ(a - n)²) / 6 = sqrt(12) / 6. Sequences
+    that all accept alike have no spread; one sequence has no estimate."""
+    from eyas.eval.report import summarize, tau_standard_error
+
+    def seq(accepted):
+        return DecodeTrace(
+            tokens=[1], seconds=1.0, forwards=3, drafted=[2, 2], accepted=accepted, contexts=[5, 6]
+        )
+
+    traces = [seq([2, 2]), seq([0, 0]), seq([1, 1])]
+    assert summarize(traces, 2)["tau"] == pytest.approx(2.0)
+    assert tau_standard_error(traces) == pytest.approx(12**0.5 / 6)
+    assert summarize(traces, 2)["tau_se"] == pytest.approx(12**0.5 / 6)
+    assert tau_standard_error([seq([2, 0]), seq([0, 2])]) == 0.0
+    assert tau_standard_error(traces[:1]) is None and "tau_se" not in summarize(traces[:1], 2)
+    out = summarize_by_context(traces, 2, [100])
+    assert out["<100"]["tau_se"] == pytest.approx(12**0.5 / 6)
+    line = context_lines({"per_context": {"head": out}, "context_buckets": [100], "workload": "w", "k": 2})[1]
+    assert "2.00 ±0.58 / " in line
