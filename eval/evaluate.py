@@ -12,7 +12,7 @@ import torch
 from eyas.data.reasoning import decoded_reply
 from eyas.eval.eval_settings import EvalSettings
 from eyas.eval.report import summarize, summarize_by_context
-from eyas.eval.speculate import greedy_decode, replay_greedy, speculative_decode
+from eyas.eval.speculate import greedy_decode, prefill, replay_greedy, speculative_decode
 from eyas.eval.workloads import WorkloadPrompt, render_turn
 from eyas.target.load import stop_token_ids
 
@@ -69,6 +69,8 @@ def run_eval(
     for name, d in drafters.items():
         if name not in replay:
             speculative_decode(model, warm, d, k, 2, eos)
+    decoded_aux = [tuple(d.aux_layer_ids) for n, d in drafters.items() if n not in replay and d.aux_layer_ids]
+    shared_aux = decoded_aux[0] if decoded_aux else ()
     turns_total = sum(len(p.turns) for p in prompts)
     bar = None
     if progress:
@@ -80,7 +82,9 @@ def run_eval(
         replies: list[str] = []
         for turn in range(len(prompt.turns)):
             ids = render_turn(tokenizer, prompt, replies)
-            plain = greedy_decode(model, ids, max_new_tokens, eos)
+            # one prefill of the turn for plain decoding and every drafter reading these states
+            shared = prefill(model, ids, shared_aux)
+            plain = greedy_decode(model, ids, max_new_tokens, eos, shared)
             plain_traces.append(plain)
             cat = by_cat.setdefault(prompt.category, {name: [] for name in drafters})
             per_turn = by_turn.setdefault(turn + 1, {name: [] for name in drafters})
@@ -94,7 +98,16 @@ def run_eval(
                         else None
                     )
                     tr = speculative_decode(
-                        model, ids, drafter, k, max_new_tokens, eos, temperature, gen, **s.sampling
+                        model,
+                        ids,
+                        drafter,
+                        k,
+                        max_new_tokens,
+                        eos,
+                        temperature,
+                        gen,
+                        **s.sampling,
+                        shared=shared,
                     )
                 traces[name].append(tr)
                 cat[name].append(tr)

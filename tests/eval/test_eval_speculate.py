@@ -335,3 +335,35 @@ def test_replay_refuses_a_drafter_that_reads_target_states(tiny_llama_dir):
     head = HeadDrafter(random_head(target.model))
     with pytest.raises(ValueError, match="reads target states"):
         replay_greedy(target.model, [5, 6, 7], [8, 9], head, 3, 8, set())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_shared_prefill_decodes_as_its_own_prefill(tiny_target_dir, temperature):
+    """eval prefills a turn once for plain decoding and every drafter (eval/speculate.py::
+    Prefill): each decoding extends a copy of the prompt's cache, so decoding from the
+    shared prefill, twice in a row and after another decoding, gives the trace a prefill
+    of its own gives; a drafter reading other aux layers prefills again."""
+    from eyas.eval.speculate import prefill
+
+    target = load_target(str(tiny_target_dir), dtype="float32", device="cpu")
+    model = target.model
+    head = random_head(model, "eagle3", seed=1)
+    prompt = (list(range(40, 52)) * 4)[:44]  # repetitive: prompt lookup gets accepted too
+    shared = prefill(model, prompt, HeadDrafter(head).aux_layer_ids)
+
+    def spec(drafter, share, seed=5):
+        g = torch.Generator().manual_seed(seed) if temperature > 0 else None
+        return speculative_decode(model, prompt, drafter, 4, 20, set(), temperature, g, shared=share)
+
+    own = spec(HeadDrafter(head), None)
+    ngram_own = spec(NgramDrafter(1, 4), None)
+    for _ in range(2):
+        got = spec(HeadDrafter(head), shared)
+        assert (got.tokens, got.accepted, got.forwards) == (own.tokens, own.accepted, own.forwards)
+        ngram = spec(NgramDrafter(1, 4), shared)  # no aux layers: a prefill of its own
+        assert (ngram.tokens, ngram.accepted) == (ngram_own.tokens, ngram_own.accepted)
+    assert temperature > 0 or sum(ngram_own.accepted) > 0  # greedy: the copies are accepted
+    plain = greedy_decode(model, prompt, 20, set())
+    plain_shared = greedy_decode(model, prompt, 20, set(), shared)
+    assert (plain_shared.tokens, plain_shared.margins) == (plain.tokens, plain.margins)
+    assert plain_shared.seconds >= shared.seconds
