@@ -23,6 +23,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from eyas.core.segments import segment_starts
+
 # Tokens of context that must agree (the query's token and the one before it) before an
 # earlier slot counts as a copy source: a single shared token ("the", ",") has too many.
 COPY_MIN_MATCH = 2
@@ -35,6 +37,7 @@ def copy_attention_targets(
     attention_mask: torch.Tensor,
     steps: int = 1,
     min_match: int = COPY_MIN_MATCH,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The step-0 slot each query of TTT steps 0..steps-1 should read, or -1.
 
@@ -44,6 +47,10 @@ def copy_attention_targets(
     slots j <= t. Its copy source is the latest such j with
     x_{j-m+1..j} == x_{t+k-m+2..t+k+1} (m = `min_match`) and x_{j+1} == x_{t+k+2}: the
     slot whose input token is the one to predict. Returns [steps, B, T] long.
+
+    `segments` [B, T] (a packed batch): every token of a match, x_{j-m+1} to x_{t+k+2},
+    lies in query t's sample, as it does when the sample is alone (where earlier slots do
+    not exist and later ones are padding).
     """
     b, t = input_ids.shape
     out = torch.full((steps, b, t), -1, dtype=torch.long, device=input_ids.device)
@@ -63,9 +70,15 @@ def copy_attention_targets(
         match &= xj[:, None, :] == xq[:, :, None]
     match &= (x[:, 1:t] >= 0)[:, None, :]
     match &= label_valid[:, 1 : n + 1].bool()[:, :, None]
+    starts = None if segments is None else segment_starts(segments)
     for k in range(min(steps, n)):
         # step k's query slot t plays step 0's query q = t + k but sees only j <= t
         rows = match[:, k:] & (j_idx[None, None, :] <= q_idx[: n - k, None])
+        if starts is not None:
+            own = starts[:, : n - k]  # query t's sample start
+            rows &= (j_idx[None, None, :] - min_match + 1 >= own[:, :, None]) & (
+                starts[:, k + 2 : n + 2] == own
+            )[:, :, None]
         out[k, :, : n - k] = (rows.long() * (j_idx + 1)).amax(-1) - 1
     return out
 
@@ -93,14 +106,17 @@ def recording_head0(head):
         attn.head0_probe = None
 
 
-def copy_attention_loss(records: list, targets: torch.Tensor, decay: float = 1.0) -> torch.Tensor:
+def copy_attention_loss(
+    records: list, targets: torch.Tensor, decay: float = 1.0, segments: torch.Tensor | None = None
+) -> torch.Tensor:
     """Cross-entropy of attention head 0's scores against the copy sources.
 
     records: `(query, key)` per TTT step from `recording_head0`; targets [S, B, T] from
     `copy_attention_targets` (S <= len(records)). Step k's query at slot t is scored, as
     the TTT attention does, against the step-0 keys of slots <= t and the keys steps
     1..k wrote at slot t. Steps are weighted decay^k and averaged over the steps that
-    have a target. Returns a scalar (a zero that still reaches the queries and keys when
+    have a target; with `segments` (a packed batch) only the query's own sample's step-0
+    keys are scored. Returns a scalar (a zero that still reaches the queries and keys when
     no slot has a target)."""
     keys0 = records[0][1]
     t, d = keys0.shape[1], keys0.shape[-1]
@@ -112,9 +128,13 @@ def copy_attention_loss(records: list, targets: torch.Tensor, decay: float = 1.0
             continue
         q = records[k][0]
         rows_b, rows_t = has.nonzero(as_tuple=True)
-        step0 = (q @ keys0.transpose(1, 2))[rows_b, rows_t].float()  # [N, T]
+        acc = torch.promote_types(q.dtype, torch.float32)  # float64 stays float64 (the tests')
+        step0 = (q @ keys0.transpose(1, 2))[rows_b, rows_t].to(acc)  # [N, T]
         step0 = step0.masked_fill(key_pos[None, :] > rows_t[:, None], float("-inf"))
-        chain = [(q * records[i][1]).sum(-1)[rows_b, rows_t, None].float() for i in range(1, k + 1)]
+        if segments is not None:
+            first = segment_starts(segments)[rows_b, rows_t]
+            step0 = step0.masked_fill(key_pos[None, :] < first[:, None], float("-inf"))
+        chain = [(q * records[i][1]).sum(-1)[rows_b, rows_t, None].to(acc) for i in range(1, k + 1)]
         scores = torch.cat([step0] + chain, dim=1) / d**0.5
         loss_k = F.cross_entropy(scores, targets[k][rows_b, rows_t])
         total = decay**k * loss_k if total is None else total + decay**k * loss_k
