@@ -112,7 +112,8 @@ class TTTMask:
     Queries are taken in blocks of `block` slots: block [i0, i1) needs only the step-0
     keys [0, i1) and its own stretch [i0, i1) of each diagonal chunk, so a step costs
     ~T²/2 + k·T·block scores instead of (k+1)·T². Default: 64 on CPU (fastest measured
-    at T=512 on the reference machine), 256 elsewhere, where each call costs a launch.
+    at T=512 on the reference machine; 256 for a packed row), 256 elsewhere, where each
+    call costs a launch.
 
     With a sliding `window` W the query at slot t of step k (position t + k) sees only
     keys at positions > t + k - W: step-0 keys of slots s >= t + k - W + 1, and diagonal
@@ -134,7 +135,11 @@ class TTTMask:
         real = attention_mask.bool()
         self.length = real.shape[1]
         self.real = real
-        self.block = block or (64 if real.device.type == "cpu" else 256)
+        # A packed row is one row where a bucketed batch has many: 64-slot blocks there make
+        # many small calls (one packed ShareGPT row: 9-43 s a step at 64, 8.5-10 s at 128 and
+        # 256 on the shared reference CPU), so packed rows take 256 on any device.
+        cpu_block = 64 if segments is None else 256
+        self.block = block or (cpu_block if real.device.type == "cpu" else 256)
         self.window = window
         self.right_padded = bool((real[:, 1:] <= real[:, :-1]).all())
         self.starts = None if segments is None else segment_starts(segments)
