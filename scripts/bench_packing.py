@@ -10,11 +10,12 @@ and at --max-length); each mode plans one epoch over them as the trainer does
 recipe's settings (the quickstart head with a 1,024-position window, TTT 2, copy
 supervision; `--override` to change) on synthetic features at SmolLM2's shape for the
 first `--warmup` micro-batches of its plan untimed, then the whole epoch (or its first
-`--steps`) timed, the two modes taking turns batch by batch. Keys per mode: steps_per_epoch, tokens_per_epoch (real tokens), fill (real
-tokens / the slots the micro-batches hold), tokens_per_s (real tokens over the timed
-steps' seconds), step_seconds, timed_steps, timed_seconds (the epoch's, when whole),
-epoch_seconds_estimate (tokens_per_epoch / tokens_per_s);
-load_average: what else ran (timings are noisy on a shared CPU).
+`--steps`) timed, the two modes taking turns batch by batch. Keys per mode:
+steps_per_epoch, tokens_per_epoch (real tokens), fill (real tokens / the slots the
+micro-batches hold), tokens_per_s (real tokens over the timed steps' seconds),
+step_seconds, timed_steps, timed_seconds (the epoch's, when whole),
+epoch_seconds_estimate (tokens_per_epoch / tokens_per_s); load_average: what else ran
+(timings are noisy on a shared CPU).
 """
 
 from __future__ import annotations
