@@ -155,7 +155,9 @@ class TTTMask:
     def start(self, k: int, i0: int, i1: int) -> int:
         """The first step-0 key any query of the block [i0, i1) of step k may see (i1: none;
         deep steps of a small window see their own diagonals alone)."""
-        lo = 0 if self.starts is None else int(self.starts[:, i0].min())
+        # a packed block starts at its first query's sample, rounded down to 64 slots: the key
+        # count then takes few values, and CPU kernels (oneDNN) are built per shape
+        lo = 0 if self.starts is None else int(self.starts[:, i0].min()) // 64 * 64
         return lo if self.window is None else min(i1, max(lo, i0 + k - self.window + 1))
 
     def for_block(self, k: int, i0: int, i1: int, keep: bool = True) -> torch.Tensor:
