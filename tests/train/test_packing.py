@@ -208,3 +208,17 @@ def test_positions_restart_at_every_sample():
     keep[0, t + 4] = True  # (4, 1): the second sample's slot 1, one deeper
     el = compact(keep, t, row_starts=segment_starts(packed["segments"]))
     assert el.positions[0, :10].tolist() == pos.tolist() and el.positions[0, 10] == 2
+
+
+def test_budget_probe_times_one_packed_row_of_the_batch():
+    """The time budget's probe (train/step_timing.py) times a packing recipe's step on one
+    packed row of the batch's samples, their real tokens only."""
+    from eyas.train.step_timing import packed_row, synthetic_batch
+
+    lens = [7, 4, 2]
+    batch = synthetic_batch(3, 7, 50, 6, 4, "cpu", torch.Generator().manual_seed(0), lengths=lens)
+    row = packed_row(batch, lens)
+    assert row["segments"].tolist() == [[0] * 7 + [1] * 4 + [2] * 2]
+    for key in ("input_ids", "loss_mask", "aux", "last"):
+        parts = [batch[key][r, :n] for r, n in enumerate(lens)]
+        assert torch.equal(row[key][0], torch.cat(parts)), key

@@ -8,8 +8,9 @@ import torch
 from safetensors.torch import load_file
 from support.train_run_fixtures import prepare_run
 
+from eyas.data.cache import FeatureCache
 from eyas.train.batching import BatchStream, DataPosition, Packing, collate, plan_epoch
-from eyas.train.feed import batch_stream, open_split
+from eyas.train.feed import batch_stream
 
 
 def _losses(recipe):
@@ -32,7 +33,7 @@ def test_packed_run_resumes_mid_epoch_with_identical_losses(tmp_path, tiny_llama
         keep_checkpoints=0,
         eval_every=0,
     )
-    stream = batch_stream(recipe, open_split(recipe, _head_cfg(recipe), "train"), 0, 1)
+    stream = batch_stream(recipe, FeatureCache(recipe.paths.cache, "train"), 0, 1)
     per_epoch = stream.batches_per_epoch()
     first = next(stream)
     assert first["input_ids"].shape[0] == 1 and first["segments"].max() >= 1  # rows hold several samples
@@ -53,18 +54,6 @@ def test_packed_run_resumes_mid_epoch_with_identical_losses(tmp_path, tiny_llama
     assert resumed == straight  # bit-identical floats, steps 4-6 trained again
     again = load_file(str(recipe.paths.checkpoints / "final" / "head.safetensors"))
     assert all(torch.equal(head[k], again[k]) for k in head)
-
-
-def _head_cfg(recipe):
-    from eyas.data.cache import FeatureCache
-
-    cache = FeatureCache(recipe.paths.cache, "train")
-
-    class _Cfg:  # what open_split checks the cache against
-        aux_layer_ids = cache.aux_layer_ids
-        target_hidden_size = cache.hidden_size
-
-    return _Cfg
 
 
 def test_unpacked_batches_are_the_bucketed_ones():
