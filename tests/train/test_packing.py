@@ -222,3 +222,31 @@ def test_budget_probe_times_one_packed_row_of_the_batch():
     for key in ("input_ids", "loss_mask", "aux", "last"):
         parts = [batch[key][r, :n] for r, n in enumerate(lens)]
         assert torch.equal(row[key][0], torch.cat(parts)), key
+
+
+def test_later_epochs_reuse_each_packed_samples_valid_slots():
+    """The trainer remembers each sample's valid label slots (by its index) for later epochs;
+    in a packed row the sample sits at an offset, and in another epoch another row holds it
+    elsewhere: the remembered slots follow it there."""
+    from eyas.train.build import FrozenOutput
+    from eyas.train.feed import FeatureSource
+
+    torch.manual_seed(3)
+    head, _ = double_head_and_batch(0, 1, 4, draft_vocab_size=20)
+    cfg = head.config
+    lm = torch.randn(cfg.vocab_size, cfg.target_hidden_size, dtype=torch.double)
+    output = FrozenOutput(RMSNorm(cfg.target_hidden_size).double(), lm)
+    source = FeatureSource(None, list(cfg.aux_layer_ids), output, head)
+    samples = _samples(head, torch.Generator().manual_seed(4), lengths=(9, 12, 7))
+
+    def labels(order):
+        batch = collate_packed([samples[i] for i in order])
+        batch["index"] = torch.tensor(order)
+        return source.complete(batch)[1]
+
+    first = labels([0, 1, 2])  # every slot's validity from the whole vocabulary
+    again = labels([2, 0, 1])  # remembered, placed at the samples' new offsets
+    fresh = FeatureSource(None, list(cfg.aux_layer_ids), output, head)
+    batch = collate_packed([samples[i] for i in (2, 0, 1)])
+    batch["index"] = torch.tensor([2, 0, 1])
+    assert not first.valid.all() and torch.equal(again.valid, fresh.complete(batch)[1].valid)
