@@ -4,7 +4,7 @@ fills its rows."""
 
 import pytest
 import torch
-from support.tiny_heads import double_head_and_batch
+from support.tiny_heads import double_head_and_batch, small_head_config
 
 from eyas.core.segments import sample_spans
 from eyas.heads.layers import RMSNorm
@@ -250,3 +250,57 @@ def test_later_epochs_reuse_each_packed_samples_valid_slots():
     batch = collate_packed([samples[i] for i in (2, 0, 1)])
     batch["index"] = torch.tensor([2, 0, 1])
     assert not first.valid.all() and torch.equal(again.valid, fresh.complete(batch)[1].valid)
+
+
+def _packed_elements(lengths=(9, 6, 11), depths=3):
+    from eyas.core.segments import segment_starts
+    from eyas.train.peagle import cod_grid, compact
+
+    samples = [{"input_ids": torch.arange(n), "loss_mask": torch.ones(n)} for n in lengths]
+    batch = collate_packed(samples, pad_to_multiple_of=8)
+    t = batch["input_ids"].shape[1]
+    keep = cod_grid(
+        batch["attention_mask"], depths, 0.7, 0.3, torch.Generator().manual_seed(0), None, batch["segments"]
+    )
+    return batch, compact(keep, t, row_starts=segment_starts(batch["segments"]))
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_peagle_packed_mask_matches_the_reference(window):
+    """The dense P-EAGLE mask of a packed row, entry by entry against the reference rule:
+    a depth-0 key counts only for queries of its own sample."""
+    from eyas.train.masks import peagle_dense_mask, peagle_reference_mask
+
+    batch, el = _packed_elements()
+    sample = batch["segments"][0].gather(0, el.anchor[0])
+    dense = peagle_dense_mask(el.anchor, el.depth, el.real, window, el.start)[0, 0]
+    assert torch.equal(dense, peagle_reference_mask(el.anchor[0], el.depth[0], el.real[0], window, sample))
+    real = el.real[0]
+    crosses = (sample[:, None] != sample[None, :]) & real[:, None] & real[None, :]
+    assert crosses.any() and not (dense & crosses).any()
+
+
+def test_peagle_packed_flex_block_mask_gives_the_dense_mask_logits():
+    """The CUDA path (flex attention over the block mask, `start` included) against SDPA
+    with the dense mask on a packed row; on CPU, forward only (flex has no CPU backward)."""
+    from eyas.heads.algorithms import build_head
+    from eyas.train.masks import peagle_block_mask, peagle_dense_mask
+    from eyas.train.peagle import element_inputs
+
+    torch.manual_seed(0)
+    head = build_head(small_head_config(algorithm="peagle", mask_token_id=49, num_hidden_layers=2))
+    batch, el = _packed_elements()
+    aux = torch.randn(*batch["input_ids"].shape, head.config.fc_in_features)
+    with torch.no_grad():
+        tokens, hidden = element_inputs(head, el, batch["input_ids"], aux)
+        dense, flex = (
+            head.forward_step(
+                tokens,
+                hidden,
+                el.positions,
+                head.new_cache(),
+                mask(el.anchor, el.depth, el.real, None, el.start),
+            )[0]
+            for mask in (peagle_dense_mask, peagle_block_mask)
+        )
+    torch.testing.assert_close(flex[el.real], dense[el.real], rtol=1e-5, atol=1e-5)
