@@ -126,6 +126,10 @@ class TrainSection(_Section):
     epochs: float = Field(1.0, gt=0)
     batch_tokens: int = Field(8192, ge=1)  # tokens per micro-batch (length-bucketed)
     max_batch_size: int = Field(64, ge=1)
+    # Concatenate short samples into rows of up to batch_tokens tokens (one row per
+    # micro-batch; max_batch_size unused), each sample still seen alone: positions restart
+    # and attention stops at its boundary (DESIGN §3). Offline features only.
+    packing: bool = False
     # Micro-batch length rounded up to a multiple of this: few distinct shapes, so kernels
     # built per shape (oneDNN on CPU, torch.compile) are reused instead of rebuilt per batch.
     pad_to_multiple_of: int = Field(32, ge=1)
@@ -250,6 +254,19 @@ class Recipe(_Section):
         if extra is not None and self.head.algorithm not in extra:
             # Written out, so recipe.yaml and the run's settings hold the algorithm's values.
             extra[self.head.algorithm] = self.train.section(self.head.algorithm)
+        return self
+
+    @model_validator(mode="after")
+    def _packing_needs_offline_features(self) -> Recipe:
+        # The target (online) and the engine run on the batch's rows: over a packed row its
+        # attention would cross from one sample into the next, so the states would not be
+        # those of each sample alone. The cache stores every sample's states computed apart.
+        if self.train.packing and self.data.features != "offline":
+            raise ValueError(
+                f"train.packing needs data.features: offline (got {self.data.features!r}): the "
+                f"{self.data.features} features run the target over a packed row, across sample "
+                "boundaries; capture the features offline, or set train.packing: false"
+            )
         return self
 
     @model_validator(mode="after")

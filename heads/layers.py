@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eyas.core.segments import segment_starts
 from eyas.heads.config import DraftHeadConfig
 from eyas.heads.explicit_attention import explicit_attention
 from eyas.heads.flex_attention import flex_block_attention, is_block_mask
@@ -111,21 +112,41 @@ class TTTMask:
     Queries are taken in blocks of `block` slots: block [i0, i1) needs only the step-0
     keys [0, i1) and its own stretch [i0, i1) of each diagonal chunk, so a step costs
     ~T²/2 + k·T·block scores instead of (k+1)·T². Default: 64 on CPU (fastest measured
-    at T=512 on the reference machine), 256 elsewhere, where each call costs a launch.
+    at T=512 on the reference machine; 256 for a packed row), 256 elsewhere, where each
+    call costs a launch.
 
     With a sliding `window` W the query at slot t of step k (position t + k) sees only
     keys at positions > t + k - W: step-0 keys of slots s >= t + k - W + 1, and diagonal
     j only while k - j < W. A block then reads step-0 keys [`start(k, i0, i1)`, i1) alone,
     so a step's scores and memory grow linearly with T.
+
+    With `segments` [B, T] (packed rows, core/segments.py) a step-0 key counts only for
+    queries of its own sample, and a block reads step-0 keys from the start of its first
+    query's sample on, so a packed row costs about what its samples cost apart.
     """
 
-    def __init__(self, attention_mask: torch.Tensor, block: int | None = None, window: int | None = None):
+    def __init__(
+        self,
+        attention_mask: torch.Tensor,
+        block: int | None = None,
+        window: int | None = None,
+        segments: torch.Tensor | None = None,
+    ):
         real = attention_mask.bool()
         self.length = real.shape[1]
         self.real = real
-        self.block = block or (64 if real.device.type == "cpu" else 256)
+        # A packed row is one row where a bucketed batch has many: 64-slot blocks there make
+        # many small calls (one packed ShareGPT row: 9-43 s a step at 64, 8.5-10 s at 128 and
+        # 256 on the shared reference CPU), so packed rows take 256 on any device.
+        cpu_block = 64 if segments is None else 256
+        self.block = block or (cpu_block if real.device.type == "cpu" else 256)
         self.window = window
         self.right_padded = bool((real[:, 1:] <= real[:, :-1]).all())
+        self.starts = None if segments is None else segment_starts(segments)
+        # the most step-0 keys one query can see (its sample's length when packed)
+        self.reach = self.length
+        if self.starts is not None:
+            self.reach = int((torch.arange(self.length, device=real.device) - self.starts).max()) + 1
         self._masks: dict[tuple, torch.Tensor] = {}
 
     def blocks(self) -> list[tuple[int, int]]:
@@ -134,7 +155,10 @@ class TTTMask:
     def start(self, k: int, i0: int, i1: int) -> int:
         """The first step-0 key any query of the block [i0, i1) of step k may see (i1: none;
         deep steps of a small window see their own diagonals alone)."""
-        return 0 if self.window is None else min(i1, max(0, i0 + k - self.window + 1))
+        # a packed block starts at its first query's sample, rounded down to 64 slots: the key
+        # count then takes few values, and CPU kernels (oneDNN) are built per shape
+        lo = 0 if self.starts is None else int(self.starts[:, i0].min()) // 64 * 64
+        return lo if self.window is None else min(i1, max(lo, i0 + k - self.window + 1))
 
     def for_block(self, k: int, i0: int, i1: int, keep: bool = True) -> torch.Tensor:
         """The mask of step k for queries [i0, i1): `[B|1, 1, i1-i0, (i1-lo) + k·(i1-i0)]`
@@ -150,7 +174,11 @@ class TTTMask:
         step0 = cols <= rows  # [c, i1 - lo]
         if self.window is not None:
             step0 = step0 & (rows + k - cols < self.window)
-        if not self.right_padded:
+        if self.starts is not None:
+            # same sample: equal starts (a padding run is a segment of its own, so a padding
+            # query still sees itself)
+            step0 = step0[None] & (self.starts[:, i0:i1, None] == self.starts[:, None, lo:i1])
+        elif not self.right_padded:
             step0 = step0[None] & (self.real[:, None, lo:i1] | (cols == rows)[None])
         else:
             step0 = step0[None]
@@ -210,11 +238,12 @@ def _ttt_attention(q, cache: LayerCache, mask: TTTMask, scale: float) -> torch.T
 
     k = len(cache.k) - 1
     gqa = q.shape[1] != cache.k[0].shape[1]
-    if k == 0 and mask.right_padded and q.device.type != "cpu" and mask.window is None:
+    plain_causal = mask.right_padded and mask.window is None and mask.starts is None
+    if k == 0 and plain_causal and q.device.type != "cpu":
         return F.scaled_dot_product_attention(
             q, cache.k[0], cache.v[0], scale=scale, is_causal=True, enable_gqa=gqa
         )
-    recompute = mask.length >= RECOMPUTE_FROM and torch.is_grad_enabled()
+    recompute = mask.reach >= RECOMPUTE_FROM and torch.is_grad_enabled()
     outs = []
     for i0, i1 in mask.blocks():
         args = (q[:, :, i0:i1], cache.k[0], cache.v[0], cache.k[1:], cache.v[1:], mask, k, i0, i1, scale)

@@ -7,10 +7,16 @@ memory, so a batch never reads two shards) or, for the prepared dataset, seeded 
 the shuffled split. The order of groups and of batches inside a group is shuffled with
 `seed + epoch`, so epoch e of a run is the same list on every restart: the data position
 `(epoch, batches consumed)` is all a checkpoint needs.
+
+With `train.packing` a micro-batch is one *row*: samples of a group concatenated up to
+`batch_tokens` (best-fit over the group's lengths, longest first; a longer sample gets a
+row of its own), collated with `segments`, the per-slot sample index core/segments.py
+reads (DESIGN §3). The plan, its shuffle and the data position are the same otherwise.
 """
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -18,6 +24,38 @@ from dataclasses import dataclass
 import torch
 
 from eyas.core.length_batches import pack_group
+
+
+def pack_rows(indices: Sequence[int], lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Best-fit decreasing packing of one group into rows of at most `batch_tokens` tokens
+    (`train.packing`): longest sample first, each into the fullest row it still fits, else
+    a new row; a sample longer than `batch_tokens` gets a row of its own. A row lists its
+    samples in the order they are concatenated."""
+    order = sorted(indices, key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, row number), ascending
+    for i in order:
+        n = lengths[i]
+        at = bisect.bisect_left(free, (n, -1))
+        if at < len(free):
+            room, r = free.pop(at)
+            rows[r].append(i)
+            bisect.insort(free, (room - n, r))
+        else:
+            rows.append([i])
+            if n < batch_tokens:
+                bisect.insort(free, (batch_tokens - n, len(rows) - 1))
+    return rows
+
+
+def group_batches(
+    indices: Sequence[int], lengths: Sequence[int], batch_tokens: int, max_batch_size: int, packed: bool
+) -> list[list[int]]:
+    """The micro-batches of one group, unshuffled: packed rows (`pack_rows`) or bucketed
+    batches (`pack_group`)."""
+    if packed:
+        return pack_rows(indices, lengths, batch_tokens)
+    return pack_group(indices, lengths, batch_tokens, max_batch_size)
 
 
 def plan_epoch(
@@ -28,16 +66,17 @@ def plan_epoch(
     seed: int,
     epoch: int,
     multiple_of: int = 1,
+    packed: bool = False,
 ) -> list[list[int]]:
-    """The micro-batches of one epoch (lists of sample indices). The count is cut down to a
-    multiple of `multiple_of` (world size × grad accumulation) so every rank runs the
-    same number of optimizer steps."""
+    """The micro-batches of one epoch (lists of sample indices; with `packed`, each one row
+    of `pack_rows`). The count is cut down to a multiple of `multiple_of` (world size ×
+    grad accumulation) so every rank runs the same number of optimizer steps."""
     rng = random.Random(seed * 1_000_003 + epoch)
     group_order = list(range(len(groups)))
     rng.shuffle(group_order)
     plan: list[list[int]] = []
     for g in group_order:
-        batches = pack_group(groups[g], lengths, batch_tokens, max_batch_size)
+        batches = group_batches(groups[g], lengths, batch_tokens, max_batch_size, packed)
         rng.shuffle(batches)
         plan.extend(batches)
     return plan[: len(plan) - len(plan) % multiple_of] if multiple_of > 1 else plan
@@ -99,6 +138,25 @@ def collate(samples: list[dict], pad_id: int = 0, pad_to_multiple_of: int = 1) -
     return out
 
 
+def collate_packed(samples: list[dict], pad_id: int = 0, pad_to_multiple_of: int = 1) -> dict:
+    """One packed row (`train.packing`): the samples concatenated in order, then padded as
+    `collate` pads; adds `segments` [1, T] long, the sample index of each slot (-1 on
+    padding). Offline features are stored per sample, so their concatenation is exact."""
+    row = {
+        key: torch.cat([torch.as_tensor(s[key]) for s in samples])
+        for key in ("input_ids", "loss_mask", "aux", "last")
+        if key in samples[0]
+    }
+    out = collate([row], pad_id, pad_to_multiple_of)
+    segments = torch.full_like(out["input_ids"], -1)
+    at = 0
+    for k, s in enumerate(samples):
+        segments[0, at : at + len(s["input_ids"])] = k
+        at += len(s["input_ids"])
+    out["segments"] = segments
+    return out
+
+
 @dataclass(frozen=True)
 class Packing:
     """How a run packs samples into micro-batches, built once from `train.*` (`from_train`)
@@ -109,6 +167,7 @@ class Packing:
     seed: int
     multiple_of: int = 1  # an epoch's micro-batches per rank: a multiple of this (grad_accum)
     pad_to_multiple_of: int = 1
+    packed: bool = False  # train.packing: a micro-batch is one row of concatenated samples
 
     @classmethod
     def from_train(cls, train_cfg) -> Packing:
@@ -118,6 +177,7 @@ class Packing:
             seed=train_cfg.seed,
             multiple_of=train_cfg.grad_accum,
             pad_to_multiple_of=train_cfg.pad_to_multiple_of,
+            packed=train_cfg.packing,
         )
 
 
@@ -165,7 +225,14 @@ class BatchStream:
         if self._plan_epoch != epoch:
             p = self.packing
             self._plan = plan_epoch(
-                self.lengths, self.groups, p.batch_tokens, p.max_batch_size, p.seed, epoch, self.multiple_of
+                self.lengths,
+                self.groups,
+                p.batch_tokens,
+                p.max_batch_size,
+                p.seed,
+                epoch,
+                self.multiple_of,
+                p.packed,
             )
             self._plan_epoch = epoch
             if not self._plan:
@@ -199,8 +266,10 @@ class BatchStream:
         indices = plan[self.position.batches + self.rank]
         self.last_index = (self.position.epoch, self.position.batches + self.rank)
         self.position = DataPosition(self.position.epoch, self.position.batches + self.world)
-        batch = collate([self._sample(i) for i in indices], self.pad_id, self.packing.pad_to_multiple_of)
-        batch["index"] = torch.tensor(indices, dtype=torch.long)  # the samples' indices in `source`
+        join = collate_packed if self.packing.packed else collate
+        batch = join([self._sample(i) for i in indices], self.pad_id, self.packing.pad_to_multiple_of)
+        # the samples' indices in `source`, in the order of core/segments.py's `sample_spans`
+        batch["index"] = torch.tensor(indices, dtype=torch.long)
         return batch
 
     def _sample(self, i: int) -> dict:

@@ -23,6 +23,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from eyas.core.segments import sample_spans
+
 # Tokens of context that must agree (the query's token and the one before it) before an
 # earlier slot counts as a copy source: a single shared token ("the", ",") has too many.
 COPY_MIN_MATCH = 2
@@ -35,6 +37,7 @@ def copy_attention_targets(
     attention_mask: torch.Tensor,
     steps: int = 1,
     min_match: int = COPY_MIN_MATCH,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The step-0 slot each query of TTT steps 0..steps-1 should read, or -1.
 
@@ -44,7 +47,18 @@ def copy_attention_targets(
     slots j <= t. Its copy source is the latest such j with
     x_{j-m+1..j} == x_{t+k-m+2..t+k+1} (m = `min_match`) and x_{j+1} == x_{t+k+2}: the
     slot whose input token is the one to predict. Returns [steps, B, T] long.
+
+    `segments` [B, T] (a packed batch): each sample's targets are those it has alone, so no
+    source, and no token of a match, lies in another sample; found sample by sample, which
+    also keeps the work at each sample's T² rather than the row's.
     """
+    if segments is not None:
+        out = torch.full((steps, *input_ids.shape), -1, dtype=torch.long, device=input_ids.device)
+        for r, a, e in sample_spans(attention_mask, segments):
+            args = (input_ids[r : r + 1, a:e], label_valid[r : r + 1, a:e], attention_mask[r : r + 1, a:e])
+            part = copy_attention_targets(*args, steps=steps, min_match=min_match)
+            out[:, r : r + 1, a:e] = torch.where(part >= 0, part + a, -1)
+        return out
     b, t = input_ids.shape
     out = torch.full((steps, b, t), -1, dtype=torch.long, device=input_ids.device)
     if t < 3:
@@ -93,32 +107,55 @@ def recording_head0(head):
         attn.head0_probe = None
 
 
-def copy_attention_loss(records: list, targets: torch.Tensor, decay: float = 1.0) -> torch.Tensor:
+def copy_attention_loss(
+    records: list, targets: torch.Tensor, decay: float = 1.0, segments: torch.Tensor | None = None
+) -> torch.Tensor:
     """Cross-entropy of attention head 0's scores against the copy sources.
 
     records: `(query, key)` per TTT step from `recording_head0`; targets [S, B, T] from
     `copy_attention_targets` (S <= len(records)). Step k's query at slot t is scored, as
     the TTT attention does, against the step-0 keys of slots <= t and the keys steps
     1..k wrote at slot t. Steps are weighted decay^k and averaged over the steps that
-    have a target. Returns a scalar (a zero that still reaches the queries and keys when
-    no slot has a target)."""
+    have a target; with `segments` (a packed batch) each sample is scored over its own
+    step-0 keys alone (its T², not the row's), the step's mean taken over the whole batch.
+    Returns a scalar (a zero that still reaches the queries and keys when no slot has a
+    target)."""
     keys0 = records[0][1]
-    t, d = keys0.shape[1], keys0.shape[-1]
-    key_pos = torch.arange(t, device=keys0.device)
+    t = keys0.shape[1]
+    spans = None if segments is None else sample_spans(torch.ones_like(segments), segments)
     total, weights = None, 0.0
     for k in range(targets.shape[0]):
-        has = targets[k] >= 0
-        if not bool(has.any()):
+        count = int((targets[k] >= 0).sum())
+        if not count:
             continue
-        q = records[k][0]
-        rows_b, rows_t = has.nonzero(as_tuple=True)
-        step0 = (q @ keys0.transpose(1, 2))[rows_b, rows_t].float()  # [N, T]
-        step0 = step0.masked_fill(key_pos[None, :] > rows_t[:, None], float("-inf"))
-        chain = [(q * records[i][1]).sum(-1)[rows_b, rows_t, None].float() for i in range(1, k + 1)]
-        scores = torch.cat([step0] + chain, dim=1) / d**0.5
-        loss_k = F.cross_entropy(scores, targets[k][rows_b, rows_t])
+        if spans is None:
+            loss_k = _step_cross_entropy(records, k, targets, slice(None), 0, t, "mean")
+        else:
+            parts = [
+                _step_cross_entropy(records, k, targets, slice(r, r + 1), a, e, "sum")
+                for r, a, e in spans
+                if bool((targets[k, r, a:e] >= 0).any())
+            ]
+            loss_k = sum(parts) / count
         total = decay**k * loss_k if total is None else total + decay**k * loss_k
         weights += decay**k
     if total is None:
         return (records[0][0].sum() + keys0.sum()) * 0.0
     return total / weights
+
+
+def _step_cross_entropy(records, k: int, targets, rows: slice, lo: int, hi: int, reduction: str):
+    """Step k's cross-entropy over the queries with a target among rows `rows`, slots
+    [lo, hi), scored against the step-0 keys of those slots (targets are row slots)."""
+    keys0 = records[0][1][rows, lo:hi]
+    q = records[k][0][rows, lo:hi]
+    has = targets[k][rows, lo:hi] >= 0
+    rows_b, rows_t = has.nonzero(as_tuple=True)
+    d = keys0.shape[-1]
+    key_pos = torch.arange(hi - lo, device=keys0.device)
+    acc = torch.promote_types(q.dtype, torch.float32)  # float64 stays float64 (the tests')
+    step0 = (q @ keys0.transpose(1, 2))[rows_b, rows_t].to(acc)  # [N, hi - lo]
+    step0 = step0.masked_fill(key_pos[None, :] > rows_t[:, None], float("-inf"))
+    chain = [(q * records[i][1][rows, lo:hi]).sum(-1)[rows_b, rows_t, None].to(acc) for i in range(1, k + 1)]
+    scores = torch.cat([step0] + chain, dim=1) / d**0.5
+    return F.cross_entropy(scores, targets[k][rows, lo:hi][rows_b, rows_t] - lo, reduction=reduction)

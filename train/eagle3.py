@@ -34,11 +34,16 @@ def eagle3_loss(head, batch: dict, labels, train_cfg, generator=None) -> StepSta
         return ttt_loss_valid_rows(*args)
     with recording_head0(head) as records:
         stats = ttt_loss_valid_rows(*args)
+    segments = batch.get("segments")  # a packed batch: no copy source in another sample
     targets = copy_attention_targets(
-        batch["input_ids"], labels.valid, batch["attention_mask"], steps=cfg.copy_attention_steps
+        batch["input_ids"],
+        labels.valid,
+        batch["attention_mask"],
+        steps=cfg.copy_attention_steps,
+        segments=segments,
     )
     targets = targets_within_window(targets, head.config.sliding_window)
-    copy = copy_attention_loss(records, targets, cfg.ttt_decay)
+    copy = copy_attention_loss(records, targets, cfg.ttt_decay, segments)
     stats.loss = stats.loss + cfg.copy_attention_weight * copy
     stats.extra_losses["copy_attention_loss"] = float(copy.detach())
     return stats

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from eyas.core.sampling import argmax_rows
+from eyas.core.segments import next_in_segment, segment_positions
 from eyas.heads.layers import TTTMask
 from eyas.train.batching import round_up, shift_left
 from eyas.train.losses import LossKind, TargetLabels, loss_rows, loss_terms_rows
@@ -56,6 +57,7 @@ def valid_row_labels(
     attention_mask: torch.Tensor,
     chunk_tokens: int = 4096,
     known_valid: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> TargetLabels:
     """`target_labels` computed only where token s+1 is real and masked; other slots get
     zero logits, argmax -1 and valid False. Shapes as in `target_labels`; `lm_head` from
@@ -65,10 +67,15 @@ def valid_row_labels(
     `known_valid` [B, T] bool: the `valid` an earlier call returned for the same samples
     (a later epoch). Only the draft rows of the LM head are then multiplied: the rest of
     the vocabulary (5/6 of SmolLM2's, 24/25 of GPT-OSS's at a 8k draft) served only to
-    decide validity."""
+    decide validity.
+
+    `segments` [B, T] (packed rows): a slot whose next token starts another sample has no
+    label."""
     b, t, ht = last_hidden.shape
     nxt_ok = torch.zeros(b, t, dtype=torch.bool, device=last_hidden.device)
     nxt_ok[:, :-1] = loss_mask[:, 1:].bool() & attention_mask[:, 1:].bool()
+    if segments is not None:
+        nxt_ok &= next_in_segment(segments)
     rows = nxt_ok.reshape(-1).nonzero().squeeze(1)
     flat = last_hidden.reshape(-1, ht)
     vd, weight = lm_head.draft_size, lm_head.weight
@@ -167,12 +174,17 @@ def ttt_loss_valid_rows(
     Every step reads the rows of the valid label slots s in one fixed order: step k's
     query for label s is slot s-1-k of the same sample (absent, weight 0, when s-1-k
     falls before the sample's start), so the target probabilities are gathered once,
-    not once per step."""
+    not once per step. A packed batch (`segments`, DESIGN §3) runs each sample as alone:
+    positions restart at its start and its queries see no other sample's keys."""
     input_ids, am = batch["input_ids"], batch["attention_mask"]
     b, t = input_ids.shape
-    mask = TTTMask(am, window=head.config.sliding_window)
+    segments = batch.get("segments")
+    mask = TTTMask(am, window=head.config.sliding_window, segments=segments)
     cache = head.new_cache()
-    positions = torch.arange(t, device=input_ids.device)[None].expand(b, t)
+    if segments is None:
+        positions = torch.arange(t, device=input_ids.device)[None].expand(b, t)
+    else:
+        positions = segment_positions(segments)
     hid = head.combine_aux(batch["aux"])
     label_rows = labels.valid.reshape(-1).nonzero().squeeze(1)  # flat slots s, ascending
     # The row count is rounded up with copies of slot 0 that never count (`real`), so the
@@ -180,7 +192,7 @@ def ttt_loss_valid_rows(
     n_rows = label_rows.numel()
     label_rows = padded_rows(label_rows, fill=0)
     real = torch.arange(label_rows.numel(), device=label_rows.device) < n_rows
-    label_pos = label_rows % t  # s's position inside its sample
+    label_pos = positions.reshape(-1).index_select(0, label_rows)  # s's position inside its sample
     probs = torch.softmax(labels.logits.reshape(b * t, -1).index_select(0, label_rows).float(), dim=-1)
     label_argmax = labels.argmax.reshape(-1).index_select(0, label_rows)
     stats = StepStats(loss=torch.zeros(()), tokens=int(am.sum()))
@@ -191,7 +203,7 @@ def ttt_loss_valid_rows(
         present = (label_pos >= 1 + k) & real
         count = int(present.sum())
         if count:
-            # an absent one reads some other slot (of the previous sample, or slot 0): weight 0
+            # an absent one reads some other slot (an earlier sample's, or slot 0): weight 0
             queries = (label_rows - (1 + k)).clamp(min=0)
             ce, tv, top = _lm_head_loss(
                 head.lm_head, normed.reshape(b * t, -1).index_select(0, queries), probs, loss, compile_mode

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from eyas.core.segments import sample_spans
 from eyas.data.prepare import read_prepared_digest
 from eyas.train.batching import BatchStream, Packing, cache_samples, dataset_samples
 from eyas.train.build import FrozenOutput
@@ -38,19 +39,23 @@ class FeatureSource:
         """batch -> (batch with aux/last, TargetLabels). `split` names the source whose
         sample indices `batch["index"]` holds (absent: nothing remembered)."""
         if "aux" not in batch:
+            if "segments" in batch:  # recipe.py refuses this; a hand-built stream could not
+                raise ValueError("train.packing needs offline features: the target would run across samples")
             from eyas.target.features import compute_features
 
             batch["aux"], batch["last"] = compute_features(
                 self.target_model, batch["input_ids"], batch["attention_mask"], self.aux_layer_ids
             )
         index = batch.pop("index", None)
+        segments = batch.get("segments")  # a packed batch: several samples per row
         known = None
         keys = [(split, i) for i in index.tolist()] if index is not None else []
+        spans = sample_spans(batch["attention_mask"], segments) if keys else []
         if keys and all(k in self._valid for k in keys):
             known = torch.zeros(batch["loss_mask"].shape, dtype=torch.bool)
-            for row, k in enumerate(keys):
+            for (row, start, _), k in zip(spans, keys):
                 v = self._valid[k]
-                known[row, : v.numel()] = v
+                known[row, start : start + v.numel()] = v
             known = known.to(batch["loss_mask"].device)
         labels = valid_row_labels(
             batch["last"],
@@ -59,11 +64,11 @@ class FeatureSource:
             batch["loss_mask"],
             batch["attention_mask"],
             known_valid=known,
+            segments=segments,
         )
         if keys and known is None:
-            lengths = batch["attention_mask"].sum(1).tolist()
-            for row, k in enumerate(keys):
-                self._valid[k] = labels.valid[row, : lengths[row]].cpu()
+            for (row, start, end), k in zip(spans, keys):
+                self._valid[k] = labels.valid[row, start:end].cpu()
         return batch, labels
 
 

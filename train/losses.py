@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from eyas.core.sampling import argmax_rows
+from eyas.core.segments import next_in_segment
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +62,13 @@ def target_labels(
     loss_mask: torch.Tensor,
     attention_mask: torch.Tensor,
     chunk_tokens: int = 4096,
+    segments: torch.Tensor | None = None,
 ) -> TargetLabels:
     """Recompute the target's logits from its pre-norm last hidden state.
 
     last_hidden [B, T, Ht]; lm_head_weight [Vt, Ht]; draft_ids [Vd] target ids of the draft
-    rows; t2d [Vt] bool or None (no map); loss_mask / attention_mask [B, T].
+    rows; t2d [Vt] bool or None (no map); loss_mask / attention_mask [B, T]; segments
+    [B, T] of a packed batch (no label where the next token starts another sample).
     Chunked over tokens so a 200k vocabulary never materialises [B·T, Vt] at once.
     """
     b, t, ht = last_hidden.shape
@@ -89,6 +92,8 @@ def target_labels(
         draft_index = torch.where(in_draft, draft_index, torch.full_like(draft_index, -1))
     nxt_ok = torch.zeros_like(in_draft)
     nxt_ok[:, :-1] = loss_mask[:, 1:].bool() & attention_mask[:, 1:].bool()
+    if segments is not None:
+        nxt_ok &= next_in_segment(segments)
     return TargetLabels(logits=logits, argmax=torch.where(in_draft, draft_index, -1), valid=nxt_ok & in_draft)
 
 

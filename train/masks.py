@@ -53,41 +53,67 @@ def ttt_dense_mask(attention_mask: torch.Tensor, k: int, window: int | None = No
 # the flex-attention block mask (CUDA); `peagle_reference_mask` restates it entry by entry.
 
 
-def peagle_allow(anchor_q, depth_q, real_q, anchor_k, depth_k, real_k, same, window: int | None = None):
+def peagle_allow(
+    anchor_q,
+    depth_q,
+    real_q,
+    anchor_k,
+    depth_k,
+    real_k,
+    same,
+    window: int | None = None,
+    start_q=None,
+    start_k=None,
+):
     """The P-EAGLE attention rule on broadcastable tensors (True = q may attend to kv):
     both real and ((depth_k = 0 and anchor_k <= anchor_q) or (anchor_k = anchor_q and
     depth_k <= depth_q)); with a sliding window also (anchor_q + depth_q) - (anchor_k +
     depth_k) < window, positions being anchor + depth. A padding query sees only itself
     (`same`: q and kv are the same element) so that no softmax row is empty; such rows
-    never carry loss."""
-    rule = ((depth_k == 0) & (anchor_k <= anchor_q)) | ((anchor_k == anchor_q) & (depth_k <= depth_q))
+    never carry loss. `start_q` / `start_k` (a packed batch): the first slot of each
+    anchor's sample; a depth-0 key then counts only for a query of the same sample."""
+    prefix = (depth_k == 0) & (anchor_k <= anchor_q)
+    if start_q is not None:
+        prefix = prefix & (start_k == start_q)
+    rule = prefix | ((anchor_k == anchor_q) & (depth_k <= depth_q))
     if window is not None:
         rule = rule & ((anchor_q + depth_q) - (anchor_k + depth_k) < window)
     return (real_q & real_k & rule) | (~real_q & same)
 
 
 def peagle_reference_mask(
-    anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, window: int | None = None
+    anchor: torch.Tensor,
+    depth: torch.Tensor,
+    real: torch.Tensor,
+    window: int | None = None,
+    sample: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """anchor / depth / real [L] of one sample -> [L, L] bool, written entry by entry."""
+    """anchor / depth / real [L] of one row -> [L, L] bool, written entry by entry;
+    `sample` [L]: the sample each element's anchor belongs to (a packed row)."""
     n = anchor.shape[0]
     a, d, r = anchor.tolist(), depth.tolist(), real.bool().tolist()
+    s = sample.tolist() if sample is not None else [0] * n
     mask = torch.zeros(n, n, dtype=torch.bool)
     for q in range(n):
         for k in range(n):
             if not r[q]:
                 mask[q, k] = q == k
             elif r[k]:
-                mask[q, k] = (d[k] == 0 and a[k] <= a[q]) or (a[k] == a[q] and d[k] <= d[q])
+                mask[q, k] = (d[k] == 0 and a[k] <= a[q] and s[k] == s[q]) or (a[k] == a[q] and d[k] <= d[q])
                 if window is not None and (a[q] + d[q]) - (a[k] + d[k]) >= window:
                     mask[q, k] = False
     return mask
 
 
 def peagle_dense_mask(
-    anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, window: int | None = None
+    anchor: torch.Tensor,
+    depth: torch.Tensor,
+    real: torch.Tensor,
+    window: int | None = None,
+    start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """anchor / depth / real [B, L] -> [B, 1, L, L] bool for SDPA."""
+    """anchor / depth / real [B, L] -> [B, 1, L, L] bool for SDPA; `start` [B, L] the first
+    slot of each element's sample (a packed batch; None: one sample per row)."""
     n = anchor.shape[1]
     same = torch.eye(n, dtype=torch.bool, device=anchor.device)[None]
     real = real.bool()
@@ -100,11 +126,19 @@ def peagle_dense_mask(
         real[:, None, :],
         same,
         window,
+        None if start is None else start[:, :, None],
+        None if start is None else start[:, None, :],
     )
     return allow[:, None]
 
 
-def peagle_mask_mod(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, window: int | None = None):
+def peagle_mask_mod(
+    anchor: torch.Tensor,
+    depth: torch.Tensor,
+    real: torch.Tensor,
+    window: int | None = None,
+    start: torch.Tensor | None = None,
+):
     """A flex-attention mask_mod (b, h, q_idx, kv_idx) -> bool for elements [B, L]."""
     real = real.bool()
 
@@ -118,16 +152,22 @@ def peagle_mask_mod(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tenso
             real[b, kv_idx],
             q_idx == kv_idx,
             window,
+            None if start is None else start[b, q_idx],
+            None if start is None else start[b, kv_idx],
         )
 
     return mask_mod
 
 
 def peagle_block_mask(
-    anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, window: int | None = None
+    anchor: torch.Tensor,
+    depth: torch.Tensor,
+    real: torch.Tensor,
+    window: int | None = None,
+    start: torch.Tensor | None = None,
 ):
-    """anchor / depth / real [B, L] -> a flex-attention BlockMask (built once per batch
-    or segment; masked blocks are skipped on CUDA) over B and L rounded up to
+    """anchor / depth / real (/ start) [B, L] -> a flex-attention BlockMask (built once per
+    batch or segment; masked blocks are skipped on CUDA) over B and L rounded up to
     `flex_bucket`s, the added rows and elements padding (flex_block_attention pads q, k
     and v to match)."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -138,5 +178,6 @@ def peagle_block_mask(
     rows, length = flex_bucket(b), flex_bucket(n, FLEX_MIN_LENGTH)
     pad = (0, length - n, 0, rows - b)
     anchor, depth, real = (F.pad(x.long(), pad) for x in (anchor, depth, real))
-    mask_mod = peagle_mask_mod(anchor, depth, real, window)
+    start = None if start is None else F.pad(start.long(), pad)
+    mask_mod = peagle_mask_mod(anchor, depth, real, window, start)
     return create_block_mask(mask_mod, rows, None, length, length, device=anchor.device)

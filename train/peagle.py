@@ -15,6 +15,12 @@ slot.
 Layout. Per sample, elements live on a grid of D·T cells (cell d·T + p = (p, d)); the kept
 cells are compacted in that order (depth-major, anchor-minor) and padded to the longest
 sample, so the first T entries of every sample are its step-0 slots.
+
+Packed rows (`train.packing`, `segments` in the batch, DESIGN §3): COD runs per sample, in
+row order (the generator draws what it draws for the same samples in separate rows), an
+element's position is counted from its sample's start, a depth-0 key counts only for
+queries of its own sample, and an element whose label slot lies in the next sample has
+no label.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from eyas.core.segments import sample_spans, segment_starts
 from eyas.heads.peagle import PEagleHead
 from eyas.train.batching import round_up
 from eyas.train.fastpath import ROW_MULTIPLE, padded_rows
@@ -71,22 +78,28 @@ def cod_sample(
 @dataclass
 class PEagleElements:
     """Flattened training elements of a batch, padded to L: anchor / depth [B, L] long,
-    real [B, L] bool (False = padding; its anchor/depth are 0)."""
+    real [B, L] bool (False = padding; its anchor/depth are 0). A packed batch adds
+    row_starts [B, T] (`segment_starts` of the slots) and start [B, L], the first slot of
+    each element's sample."""
 
     anchor: torch.Tensor
     depth: torch.Tensor
     real: torch.Tensor
+    row_starts: torch.Tensor | None = None
+    start: torch.Tensor | None = None
 
     @property
     def positions(self) -> torch.Tensor:
-        return self.anchor + self.depth
+        if self.start is None:
+            return self.anchor + self.depth
+        return self.anchor - self.start + self.depth
 
     def attention_mask(self, window: int | None = None):
         """The P-EAGLE rule (with the head's sliding window) as a flex BlockMask on CUDA, a
         dense [B, 1, L, L] elsewhere."""
         if self.anchor.is_cuda:
-            return peagle_block_mask(self.anchor, self.depth, self.real, window)
-        return peagle_dense_mask(self.anchor, self.depth, self.real, window)
+            return peagle_block_mask(self.anchor, self.depth, self.real, window, self.start)
+        return peagle_dense_mask(self.anchor, self.depth, self.real, window, self.start)
 
 
 def labelled_chains(valid: torch.Tensor, num_depths: int) -> torch.Tensor:
@@ -111,10 +124,19 @@ def cod_grid(
     r_min: float,
     generator: torch.Generator | None = None,
     valid: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """attention_mask [B, T] (right padding) -> keep [B, D·T] bool, cell d·T + p = (p, d).
-    `valid` [B, T] (the labels' valid slots): deeper elements only on `labelled_chains`."""
+    `valid` [B, T] (the labels' valid slots): deeper elements only on `labelled_chains`.
+    `segments` [B, T] (a packed batch): each sample is sampled as if alone, in row order."""
     b, t = attention_mask.shape
+    if segments is not None:
+        keep = torch.zeros(b, num_depths, t, dtype=torch.bool)
+        for row, a, e in sample_spans(attention_mask, segments):
+            mine = labelled_chains(valid[row : row + 1, a:e], num_depths)[0] if valid is not None else None
+            for d, anchors in enumerate(cod_sample(e - a, num_depths, r, r_min, generator, mine)):
+                keep[row, d, a + anchors] = True
+        return keep.view(b, num_depths * t).to(attention_mask.device)
     lengths = attention_mask.bool().sum(1).tolist()
     useful = labelled_chains(valid, num_depths) if valid is not None else None
     keep = torch.zeros(b, num_depths, t, dtype=torch.bool)
@@ -127,10 +149,13 @@ def cod_grid(
     return keep.view(b, num_depths * t).to(attention_mask.device)
 
 
-def compact(keep: torch.Tensor, t: int, multiple: int = 1) -> PEagleElements:
+def compact(
+    keep: torch.Tensor, t: int, multiple: int = 1, row_starts: torch.Tensor | None = None
+) -> PEagleElements:
     """keep [B, D·T] -> the kept cells of each sample in grid order, padded to the longest
     and then to a multiple of `multiple` (the loss passes ROW_MULTIPLE: the element count
-    is drawn anew for every batch, and CPU kernels are built per shape)."""
+    is drawn anew for every batch, and CPU kernels are built per shape). `row_starts`
+    [B, T] (a packed batch, `segment_starts`): each element's sample start is kept."""
     order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
     counts = keep.sum(1, keepdim=True)
     length = round_up(max(int(counts.max()), 1), multiple)
@@ -140,7 +165,8 @@ def compact(keep: torch.Tensor, t: int, multiple: int = 1) -> PEagleElements:
     real = torch.arange(length, device=keep.device)[None] < counts
     anchor = torch.where(real, cells % t, 0)
     depth = torch.where(real, cells // t, 0)
-    return PEagleElements(anchor=anchor, depth=depth, real=real)
+    start = None if row_starts is None else torch.where(real, row_starts.gather(1, anchor), 0)
+    return PEagleElements(anchor=anchor, depth=depth, real=real, row_starts=row_starts, start=start)
 
 
 def element_inputs(head: PEagleHead, elements: PEagleElements, input_ids: torch.Tensor, aux: torch.Tensor):
@@ -161,11 +187,14 @@ def element_inputs(head: PEagleHead, elements: PEagleElements, input_ids: torch.
 
 
 def element_label_slots(elements: PEagleElements, labels: TargetLabels) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slot [B, L], valid [B, L]): element (p, d) learns target slot p + d + 1."""
+    """(slot [B, L], valid [B, L]): element (p, d) learns target slot p + d + 1 (of its own
+    sample: in a packed row, the slot after a sample's last one is the next sample's)."""
     t = labels.valid.shape[1]
     slot = elements.anchor + elements.depth + 1
     inside = elements.real & (slot < t)
     slot = slot.clamp(max=t - 1)
+    if elements.start is not None:
+        inside = inside & (elements.row_starts.gather(1, slot) == elements.start)
     return slot, inside & labels.valid.gather(1, slot)
 
 
@@ -281,8 +310,10 @@ def peagle_loss(
     cfg = train_cfg.section("peagle")
     depths = cfg.num_depths
     valid = labels.valid if cfg.cod_labelled_only else None
-    keep = cod_grid(am, depths, cfg.cod_r, cfg.cod_r_min, generator, valid)
-    depth_weight = element_weights(compact(keep, t), labels, depths, cfg.loss_weighting)
+    segments = batch.get("segments")
+    starts = None if segments is None else segment_starts(segments)
+    keep = cod_grid(am, depths, cfg.cod_r, cfg.cod_r_min, generator, valid, segments)
+    depth_weight = element_weights(compact(keep, t, row_starts=starts), labels, depths, cfg.loss_weighting)
     segments = list(segment_keeps(keep, t, depths, cfg.segment_length))
     real_segments = len(segments)
     segments += segments[:1] * (_segments_on_every_rank(head, real_segments, aux.device) - real_segments)
@@ -291,7 +322,7 @@ def peagle_loss(
     counts = torch.zeros(depths, dtype=torch.long)
     loss = None
     for n, (cells, own) in enumerate(segments):
-        elements = compact(cells, t, ROW_MULTIPLE)
+        elements = compact(cells, t, ROW_MULTIPLE, starts)
         owned = own.gather(1, elements.depth * t + elements.anchor) & elements.real
         slot, valid = element_label_slots(elements, labels)
         bi, li = (valid & owned).nonzero(as_tuple=True)

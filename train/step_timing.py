@@ -108,6 +108,7 @@ def build_head_step(recipe, target_config, verifier: str, device, rows: int) -> 
                 batch["loss_mask"],
                 batch["attention_mask"],
                 known_valid=known.get(id(batch)) if later_epoch else None,
+                segments=batch.get("segments"),
             )
         known.setdefault(id(batch), labels.valid)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16"):
@@ -138,11 +139,28 @@ class StepTimes:
     warmup: list
 
 
+def packed_row(batch: dict, lengths: list[int]) -> dict:
+    """A `synthetic_batch` of rows of `lengths` as one packed row (`train.packing`)."""
+    from eyas.train.batching import collate_packed
+
+    keys = ("input_ids", "loss_mask", "aux", "last")
+    samples = [{k: batch[k][r, :n].cpu() for k in keys} for r, n in enumerate(lengths)]
+    device = batch["input_ids"].device
+    return {k: v.to(device) for k, v in collate_packed(samples).items()}
+
+
 def time_head_steps(
-    step: HeadStep, target_config, lengths: list[int], device, steps: int = 3, warmup: int = 2
+    step: HeadStep,
+    target_config,
+    lengths: list[int],
+    device,
+    steps: int = 3,
+    warmup: int = 2,
+    packed: bool = False,
 ) -> StepTimes:
     """Times `warmup` untimed steps, then `steps` first-epoch and `steps` later-epoch steps,
-    on synthetic batches of sequences of `lengths` (a real batch's)."""
+    on synthetic batches of sequences of `lengths` (a real batch's; with `packed`, one
+    packed row of them)."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(1)
     batches = [
@@ -158,6 +176,8 @@ def time_head_steps(
         )
         for _ in range(2)
     ]
+    if packed:
+        batches = [packed_row(b, lengths) for b in batches]
 
     def timed(i: int, later: bool) -> float:
         if device.type == "cuda":

@@ -14,13 +14,13 @@ def measure(recipe, progress: bool = True) -> Rates:
     """Run the probe (module docstring) and return what it measured."""
     import torch
 
-    from eyas.core.length_batches import pack_group
     from eyas.data.conversations import DropReport
     from eyas.data.prepare import gather_conversations, regeneration_settings, render_all
     from eyas.data.regenerate import before_first_reply, done_records, regenerate
     from eyas.data.templates import prompt_ids
     from eyas.eval.speculate import greedy_decode
     from eyas.target.load import load_recipe_target, resolve_target_path
+    from eyas.train.batching import group_batches
     from eyas.train.step_timing import build_head_step, time_head_steps
 
     cfg, rg, t = recipe.data, recipe.data.regenerate, recipe.target
@@ -84,7 +84,8 @@ def measure(recipe, progress: bool = True) -> Rates:
     if not ids:
         raise BudgetError(f"none of the probe's {len(probe)} conversations rendered to a sample")
     lengths = [len(x) for x in ids]
-    packed = pack_group(range(len(ids)), lengths, recipe.train.batch_tokens, recipe.train.max_batch_size)
+    tr = recipe.train
+    packed = group_batches(range(len(ids)), lengths, tr.batch_tokens, tr.max_batch_size, tr.packing)
     typical = sorted(packed, key=len)[len(packed) // 2]
     seq = max(lengths[i] for i in typical)
     device = target.model.get_output_embeddings().weight.device
@@ -97,7 +98,9 @@ def measure(recipe, progress: bool = True) -> Rates:
         target.model(input_ids=x, output_hidden_states=True, use_cache=False)
     capture_s_per_token = (time.perf_counter() - start) / (rows * seq)
     step = build_head_step(recipe, target.config, t.name_or_path, device, rows=recipe.train.batch_tokens)
-    times = time_head_steps(step, target.config, [lengths[i] for i in typical], device, steps=3, warmup=2)
+    times = time_head_steps(
+        step, target.config, [lengths[i] for i in typical], device, steps=3, warmup=2, packed=tr.packing
+    )
     step_s, later_step_s = sorted(times.first_epoch)[1], sorted(times.later_epoch)[1]
     train_warmup_s = max(0.0, sum(times.warmup) - len(times.warmup) * step_s)
     del step
@@ -123,10 +126,10 @@ def _measure_training_only(recipe) -> Rates:
     """The probe for a recipe that reads another run's data (data.from_run): nothing to
     regenerate or capture, so the training steps at the batches the reused samples pack
     into, and the eval's decoding. Counts are train samples (one per "conversation")."""
-    from eyas.core.length_batches import pack_group
     from eyas.data.prepare import load_prepared, read_prepared_meta
     from eyas.eval.speculate import greedy_decode
     from eyas.target.load import load_recipe_target
+    from eyas.train.batching import group_batches
     from eyas.train.step_timing import build_head_step, time_head_steps
 
     read_prepared_meta(recipe.paths.prepared, made_by=recipe.data.from_run)
@@ -135,13 +138,16 @@ def _measure_training_only(recipe) -> Rates:
     target = load_recipe_target(recipe.target, work_rows=recipe.train.batch_tokens)
     stage_start = time.perf_counter() - t0
     lengths = [len(x) for x in train["input_ids"]]
-    packed = pack_group(range(len(lengths)), lengths, recipe.train.batch_tokens, recipe.train.max_batch_size)
+    tr = recipe.train
+    packed = group_batches(range(len(lengths)), lengths, tr.batch_tokens, tr.max_batch_size, tr.packing)
     typical = sorted(packed, key=len)[len(packed) // 2]
     device = target.model.get_output_embeddings().weight.device
     step = build_head_step(
         recipe, target.config, recipe.target.name_or_path, device, rows=recipe.train.batch_tokens
     )
-    times = time_head_steps(step, target.config, [lengths[i] for i in typical], device, steps=3, warmup=2)
+    times = time_head_steps(
+        step, target.config, [lengths[i] for i in typical], device, steps=3, warmup=2, packed=tr.packing
+    )
     step_s, later_step_s = sorted(times.first_epoch)[1], sorted(times.later_epoch)[1]
     del step
     prompt = [{"role": "user", "content": "Write a short note about the sea."}]
