@@ -22,12 +22,16 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from eyas.core.segments import sample_spans
 
 # Tokens of context that must agree (the query's token and the one before it) before an
 # earlier slot counts as a copy source: a single shared token ("the", ",") has too many.
 COPY_MIN_MATCH = 2
+# Query slots per block of the copy targets and of the copy loss: bounds the [queries, keys]
+# tensors at a few MB per thousand keys, whatever the sample's length.
+COPY_QUERY_BLOCK = 512
 
 
 @torch.no_grad()
@@ -38,6 +42,7 @@ def copy_attention_targets(
     steps: int = 1,
     min_match: int = COPY_MIN_MATCH,
     segments: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The step-0 slot each query of TTT steps 0..steps-1 should read, or -1.
 
@@ -48,15 +53,18 @@ def copy_attention_targets(
     x_{j-m+1..j} == x_{t+k-m+2..t+k+1} (m = `min_match`) and x_{j+1} == x_{t+k+2}: the
     slot whose input token is the one to predict. Returns [steps, B, T] long.
 
+    `window` (head.sliding_window): step k's query at slot t (position t + k) sees the
+    step-0 slots j > t + k - window only, so a source farther back is no target.
     `segments` [B, T] (a packed batch): each sample's targets are those it has alone, so no
-    source, and no token of a match, lies in another sample; found sample by sample, which
-    also keeps the work at each sample's T² rather than the row's.
+    source, and no token of a match, lies in another sample; found sample by sample.
+    Queries go in blocks of `COPY_QUERY_BLOCK`, each compared with the slots it can see:
+    memory stays linear in T, and so does the work under a window.
     """
     if segments is not None:
         out = torch.full((steps, *input_ids.shape), -1, dtype=torch.long, device=input_ids.device)
         for r, a, e in sample_spans(attention_mask, segments):
             args = (input_ids[r : r + 1, a:e], label_valid[r : r + 1, a:e], attention_mask[r : r + 1, a:e])
-            part = copy_attention_targets(*args, steps=steps, min_match=min_match)
+            part = copy_attention_targets(*args, steps=steps, min_match=min_match, window=window)
             out[:, r : r + 1, a:e] = torch.where(part >= 0, part + a, -1)
         return out
     b, t = input_ids.shape
@@ -64,34 +72,27 @@ def copy_attention_targets(
     if t < 3:
         return out
     x = input_ids.masked_fill(~attention_mask.bool(), -1)
-    n = t - 2  # step-0 query slots with a token x_{q+2}
-    q_idx = torch.arange(n, device=x.device)
-    # match[b, q, j]: x_{j-i} == x_{q+1-i} for i < m and x_{j+1} == x_{q+2}; the bound on j
-    # depends on the step
-    j_idx = torch.arange(t - 1, device=x.device)  # j + 1 must exist
-    match = x[:, None, 1:t] == x[:, 2:t, None]  # [B, n, t-1]
-    for i in range(min_match):
-        qi, ji = q_idx + 1 - i, j_idx - i
-        xq = torch.where(qi >= 0, x[:, qi.clamp(min=0)], -3)  # before the start: matches nothing
-        xj = torch.where(ji >= 0, x[:, ji.clamp(min=0)], -2)
-        match &= xj[:, None, :] == xq[:, :, None]
-    match &= (x[:, 1:t] >= 0)[:, None, :]
-    match &= label_valid[:, 1 : n + 1].bool()[:, :, None]
-    for k in range(min(steps, n)):
-        # step k's query slot t plays step 0's query q = t + k but sees only j <= t
-        rows = match[:, k:] & (j_idx[None, None, :] <= q_idx[: n - k, None])
-        out[k, :, : n - k] = (rows.long() * (j_idx + 1)).amax(-1) - 1
+    n = t - 2  # step-0 query slots q with a token x_{q+2}
+    for q0 in range(0, n, COPY_QUERY_BLOCK):
+        q = torch.arange(q0, min(n, q0 + COPY_QUERY_BLOCK), device=x.device)
+        # every step's query playing step-0 query q sees j <= q, and j > q - window
+        j = torch.arange(0 if window is None else max(0, q0 - window + 1), int(q[-1]) + 1, device=x.device)
+        match = x[:, j + 1][:, None, :] == x[:, q + 2][:, :, None]  # [B, q, j]
+        for i in range(min_match):
+            xq = torch.where(q + 1 - i >= 0, x[:, (q + 1 - i).clamp(min=0)], -3)  # before the start: matches nothing
+            xj = torch.where(j - i >= 0, x[:, (j - i).clamp(min=0)], -2)
+            match &= xj[:, None, :] == xq[:, :, None]
+        match &= (x[:, j + 1] >= 0)[:, None, :]
+        match &= label_valid[:, q + 1].bool()[:, :, None]
+        if window is not None:
+            match &= j[None, :] > q[:, None] - window
+        for k in range(min(steps, n)):
+            # step k's query slot q - k plays step-0 query q but sees only j <= q - k
+            rows = (match & (j[None, :] <= q[:, None] - k)).long() * (j + 1)
+            found = rows.amax(-1) - 1  # [B, q]
+            has_slot = q >= k
+            out[k, :, q[has_slot] - k] = found[:, has_slot]
     return out
-
-
-def targets_within_window(targets: torch.Tensor, window: int | None) -> torch.Tensor:
-    """targets [steps, B, T] with the sources a sliding-window head cannot see set to -1:
-    step k's query at slot t (position t + k) sees step-0 slots j > t + k - window only."""
-    if window is None:
-        return targets
-    slots = torch.arange(targets.shape[-1], device=targets.device)
-    step = torch.arange(targets.shape[0], device=targets.device)[:, None, None]
-    return targets.masked_fill(slots + step - targets >= window, -1)
 
 
 @contextlib.contextmanager
@@ -108,54 +109,72 @@ def recording_head0(head):
 
 
 def copy_attention_loss(
-    records: list, targets: torch.Tensor, decay: float = 1.0, segments: torch.Tensor | None = None
+    records: list,
+    targets: torch.Tensor,
+    decay: float = 1.0,
+    segments: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of attention head 0's scores against the copy sources.
 
     records: `(query, key)` per TTT step from `recording_head0`; targets [S, B, T] from
     `copy_attention_targets` (S <= len(records)). Step k's query at slot t is scored, as
-    the TTT attention does, against the step-0 keys of slots <= t and the keys steps
-    1..k wrote at slot t. Steps are weighted decay^k and averaged over the steps that
-    have a target; with `segments` (a packed batch) each sample is scored over its own
-    step-0 keys alone (its T², not the row's), the step's mean taken over the whole batch.
+    the TTT attention does, against the step-0 keys of slots <= t (and > t + k - `window`)
+    and the keys steps 1..k wrote at slot t. Steps are weighted decay^k and averaged over
+    the steps that have a target; with `segments` (a packed batch) each sample is scored
+    over its own step-0 keys alone, the step's mean taken over the whole batch.
     Returns a scalar (a zero that still reaches the queries and keys when no slot has a
     target)."""
     keys0 = records[0][1]
-    t = keys0.shape[1]
-    spans = None if segments is None else sample_spans(torch.ones_like(segments), segments)
+    spans = sample_spans(torch.ones(keys0.shape[:2], device=keys0.device), segments)
     total, weights = None, 0.0
     for k in range(targets.shape[0]):
         count = int((targets[k] >= 0).sum())
         if not count:
             continue
-        if spans is None:
-            loss_k = _step_cross_entropy(records, k, targets, slice(None), 0, t, "mean")
-        else:
-            parts = [
-                _step_cross_entropy(records, k, targets, slice(r, r + 1), a, e, "sum")
-                for r, a, e in spans
-                if bool((targets[k, r, a:e] >= 0).any())
-            ]
-            loss_k = sum(parts) / count
-        total = decay**k * loss_k if total is None else total + decay**k * loss_k
+        loss_k = sum(
+            _step_cross_entropy(records, k, targets, r, a, e, window)
+            for r, a, e in spans
+            if bool((targets[k, r, a:e] >= 0).any())
+        )
+        total = decay**k * loss_k / count if total is None else total + decay**k * loss_k / count
         weights += decay**k
     if total is None:
         return (records[0][0].sum() + keys0.sum()) * 0.0
     return total / weights
 
 
-def _step_cross_entropy(records, k: int, targets, rows: slice, lo: int, hi: int, reduction: str):
-    """Step k's cross-entropy over the queries with a target among rows `rows`, slots
-    [lo, hi), scored against the step-0 keys of those slots (targets are row slots)."""
-    keys0 = records[0][1][rows, lo:hi]
-    q = records[k][0][rows, lo:hi]
-    has = targets[k][rows, lo:hi] >= 0
-    rows_b, rows_t = has.nonzero(as_tuple=True)
-    d = keys0.shape[-1]
-    key_pos = torch.arange(hi - lo, device=keys0.device)
+def _step_cross_entropy(records, k: int, targets, row: int, lo: int, hi: int, window: int | None):
+    """The summed cross-entropy of step k's queries with a target in row `row`, slots
+    [lo, hi) (one sample), scored against that sample's keys (targets are row slots).
+    Block by block of queries, each against the keys it can see, and recomputed for the
+    backward pass rather than kept: no [queries, keys] tensor of the whole sample lives."""
+    slots = (targets[k, row, lo:hi] >= 0).nonzero(as_tuple=True)[0]
+    total = None
+    for b0 in range(0, len(slots), COPY_QUERY_BLOCK):
+        t = slots[b0 : b0 + COPY_QUERY_BLOCK]
+        first, last = int(t[0]), int(t[-1])
+        k0 = 0 if window is None else max(0, first + k - window + 1)
+        q = records[k][0][row, lo:hi][t]  # [N, d]
+        keys0 = records[0][1][row, lo + k0 : lo + last + 1]  # the step-0 keys any query of the block sees
+        chain = [records[i][1][row, lo:hi][t] for i in range(1, k + 1)]  # [N, d] each
+        source = targets[k, row, lo:hi][t] - lo - k0
+        part = checkpoint(_block_cross_entropy, q, keys0, t - k0, source, k, window, *chain, use_reentrant=False)
+        total = part if total is None else total + part
+    return total
+
+
+def _block_cross_entropy(q, keys0, t, source, k: int, window: int | None, *chain):
+    """Summed cross-entropy of queries q [N, d] at slots t [N] (relative to keys0's first
+    slot) over the step-0 keys they see and their own chain keys, against `source`."""
+    d = q.shape[-1]
     acc = torch.promote_types(q.dtype, torch.float32)  # float64 stays float64 (the tests')
-    step0 = (q @ keys0.transpose(1, 2))[rows_b, rows_t].to(acc)  # [N, hi - lo]
-    step0 = step0.masked_fill(key_pos[None, :] > rows_t[:, None], float("-inf"))
-    chain = [(q * records[i][1][rows, lo:hi]).sum(-1)[rows_b, rows_t, None].to(acc) for i in range(1, k + 1)]
-    scores = torch.cat([step0] + chain, dim=1) / d**0.5
-    return F.cross_entropy(scores, targets[k][rows, lo:hi][rows_b, rows_t] - lo, reduction=reduction)
+    key_pos = torch.arange(keys0.shape[0], device=q.device)
+    step0 = (q @ keys0.T).to(acc)  # [N, keys]
+    hidden = key_pos[None, :] > t[:, None]
+    if window is not None:  # position t + k sees key positions > t + k - window
+        hidden |= key_pos[None, :] <= t[:, None] + k - window
+    step0 = step0.masked_fill(hidden, float("-inf"))
+    own = [(q * c).sum(-1, keepdim=True).to(acc) for c in chain]
+    scores = torch.cat([step0, *own], dim=1) / d**0.5
+    return F.cross_entropy(scores, source, reduction="sum")

@@ -16,7 +16,6 @@ from eyas.train.copy_attention import (
     copy_attention_loss,
     copy_attention_targets,
     recording_head0,
-    targets_within_window,
 )
 from eyas.train.fastpath import ttt_loss_valid_rows
 from eyas.train.step_stats import StepStats
@@ -41,9 +40,9 @@ def eagle3_loss(head, batch: dict, labels, train_cfg, generator=None) -> StepSta
         batch["attention_mask"],
         steps=cfg.copy_attention_steps,
         segments=segments,
+        window=head.config.sliding_window,
     )
-    targets = targets_within_window(targets, head.config.sliding_window)
-    copy = copy_attention_loss(records, targets, cfg.ttt_decay, segments)
+    copy = copy_attention_loss(records, targets, cfg.ttt_decay, segments, head.config.sliding_window)
     stats.loss = stats.loss + cfg.copy_attention_weight * copy
     stats.extra_losses["copy_attention_loss"] = float(copy.detach())
     return stats

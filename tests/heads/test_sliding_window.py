@@ -119,15 +119,3 @@ def test_the_recipe_key_reaches_the_head_and_is_a_training_setting_only_when_set
     assert training_settings(windowed, None)["head.sliding_window"] == 128
     # unset, it is left out: a checkpoint recorded before the key existed still matches
     assert "head.sliding_window" not in training_settings(recipe, None)
-
-
-def test_copy_supervision_of_a_windowed_head_drops_sources_outside_the_window():
-    from eyas.train.copy_attention import targets_within_window
-
-    # step 0 slot 9 reads slot 2 (7 back), slot 5 reads slot 4; step 1 slot 5 reads slot 1 (5 back)
-    targets = torch.full((2, 1, 10), -1)
-    targets[0, 0, 9], targets[0, 0, 5], targets[1, 0, 5] = 2, 4, 1
-    kept = targets_within_window(targets, 5)
-    assert kept[0, 0, 9] == -1 and kept[0, 0, 5] == 4 and kept[1, 0, 5] == -1
-    assert (kept == -1).sum() == (targets == -1).sum() + 2
-    assert torch.equal(targets_within_window(targets, None), targets)

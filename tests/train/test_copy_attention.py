@@ -6,6 +6,7 @@ from support.tiny_heads import small_head_config
 
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.layers import TTTMask
+import eyas.train.copy_attention as copy_attention
 from eyas.train.copy_attention import copy_attention_loss, copy_attention_targets, recording_head0
 from eyas.train.reference import ttt_unroll
 
@@ -170,12 +171,13 @@ def test_deeper_steps_read_only_sources_their_query_can_see():
     assert got2[1, 0, 1] == -1  # asks what step 0 at slot 2 asks, but slot 2 > 1
 
 
+@pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("step", [0, 1, 2])
-def test_loss_scores_are_the_attention_the_ttt_step_computes(step):
+def test_loss_scores_are_the_attention_the_ttt_step_computes(step, window):
     """exp(-CE) of one query is head 0's real attention probability on its source, under
-    the TTT mask (step-0 keys <= t, then the step's own diagonal keys)."""
+    the TTT mask (step-0 keys <= t, within the window, then the step's own diagonal keys)."""
     torch.manual_seed(0)
-    head = Eagle3Head(_cfg())
+    head = Eagle3Head(_cfg().model_copy(update={"sliding_window": window}))
     gen = torch.Generator().manual_seed(0)
     batch = _copy_batch(gen, torch.randn(64, 72, generator=gen), b=2, t=20)
     ids, am = batch["input_ids"], batch["attention_mask"]
@@ -183,16 +185,89 @@ def test_loss_scores_are_the_attention_the_ttt_step_computes(step):
         with recording_head0(head) as records:
             for _ in ttt_unroll(head, ids, am, batch["aux"], step + 1):
                 pass
-    targets = copy_attention_targets(ids, _ones(ids), am, steps=step + 1)
-    b, t = (targets[step] >= 0).nonzero()[0].tolist()
+    targets = copy_attention_targets(ids, _ones(ids), am, steps=step + 1, window=window)
+    b, t = (targets[step] >= 0).nonzero()[-1].tolist()  # the last: a window hides keys from it
     only = torch.full_like(targets, -1)
     only[step, b, t] = targets[step, b, t]
-    got = float(torch.exp(-copy_attention_loss(records, only)))
-    keys = torch.cat([records[0][1]] + [records[i][1] for i in range(1, step + 1)], dim=1)[b]
-    allowed = TTTMask(am).for_block(step, 0, ids.shape[1])[0, 0, t]
+    got = float(torch.exp(-copy_attention_loss(records, only, window=window)))
+    ttt = TTTMask(am, window=window)
+    lo = ttt.start(step, t, t + 1)
+    assert lo == (0 if window is None else t + step - window + 1)
+    keys = torch.cat([records[0][1][b, lo : t + 1]] + [records[i][1][b, t : t + 1] for i in range(1, step + 1)])
+    allowed = ttt.for_block(step, t, t + 1)[b if ttt.for_block(step, t, t + 1).shape[0] > 1 else 0, 0, 0]
     scores = (records[step][0][b, t] @ keys.T) / 8**0.5
-    want = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)[targets[step, b, t]]
+    want = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)[targets[step, b, t] - lo]
     assert got == pytest.approx(float(want), rel=1e-5)
+
+
+def _reference_targets(ids, valid, am, steps, min_match, window):
+    """copy_attention_targets from its definition, slot by slot."""
+    x = [[int(v) if a else -1 for v, a in zip(row, mrow)] for row, mrow in zip(ids.tolist(), am.tolist())]
+    b, t = ids.shape
+    out = torch.full((steps, b, t), -1, dtype=torch.long)
+    for r in range(b):
+        for k in range(steps):
+            for s in range(t):
+                q = s + k  # step k at slot s asks what step 0 at slot q asks
+                if q + 2 >= t or x[r][q + 2] < 0 or not valid[r, q + 1]:
+                    continue
+                for j in range(s, -1, -1):
+                    if window is not None and j <= q - window:
+                        break
+                    same = all(j - i >= 0 and q + 1 - i >= 0 and x[r][j - i] == x[r][q + 1 - i] for i in range(min_match))
+                    if same and x[r][j + 1] == x[r][q + 2]:
+                        out[k, r, s] = j
+                        break
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 4, 9])
+def test_blocked_targets_are_the_definitions(monkeypatch, window):
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 4, (3, 40), generator=gen)  # four tokens: sources everywhere
+    am = torch.ones_like(ids)
+    am[1, 31:] = 0
+    valid = torch.rand(3, 40, generator=gen) > 0.2
+    want = _reference_targets(ids, valid, am, 3, 2, window)
+    assert (want >= 0).sum() > 5  # sources to find, at every window
+    for block in (3, 7, 512):  # queries in blocks of 3 and 7, and all at once
+        monkeypatch.setattr(copy_attention, "COPY_QUERY_BLOCK", block)
+        assert torch.equal(copy_attention_targets(ids, valid, am, steps=3, window=window), want)
+
+
+def test_a_window_drops_the_sources_it_hides():
+    # slot 12 reads "2" after "1" and predicts 3: the source, slot 1 (x_0 x_1 x_2 = 1 2 3),
+    # is 11 positions back
+    ids = torch.tensor([[1, 2, 3, 9, 8, 7, 6, 5, 4, 0, 0, 1, 1, 2, 3]])
+    assert copy_attention_targets(ids, _ones(ids), _ones(ids))[0, 0, 12] == 1
+    assert copy_attention_targets(ids, _ones(ids), _ones(ids), window=12)[0, 0, 12] == 1
+    assert copy_attention_targets(ids, _ones(ids), _ones(ids), window=11)[0, 0, 12] == -1
+    # step 1 at slot 11 asks the same from position 12: the same bound
+    assert copy_attention_targets(ids, _ones(ids), _ones(ids), steps=2, window=12)[1, 0, 11] == 1
+    assert copy_attention_targets(ids, _ones(ids), _ones(ids), steps=2, window=11)[1, 0, 11] == -1
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_blocked_loss_and_gradients_are_the_whole_ones(monkeypatch, window):
+    """Query blocks and recomputation for backward change no loss and no gradient."""
+    gen = torch.Generator().manual_seed(0)
+    batch = _copy_batch(gen, torch.randn(64, 72, generator=gen), b=2, t=40)
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    head = Eagle3Head(_cfg().model_copy(update={"sliding_window": window})).double()
+    batch["aux"] = batch["aux"].double()
+    targets = copy_attention_targets(ids, _ones(ids), am, steps=2, window=window)
+    assert (targets >= 0).sum() > 10
+    got = []
+    for block in (4, 512):
+        monkeypatch.setattr(copy_attention, "COPY_QUERY_BLOCK", block)
+        head.zero_grad()
+        with recording_head0(head) as records:
+            for _ in ttt_unroll(head, ids, am, batch["aux"], 2):
+                pass
+        loss = copy_attention_loss(records, targets, 0.8, window=window)
+        loss.backward()
+        got.append((loss.detach(), head.layers[0].self_attn.q_proj.weight.grad.clone()))
+    assert torch.allclose(got[0][0], got[1][0], rtol=1e-12) and torch.allclose(got[0][1], got[1][1], rtol=1e-10)
 
 
 def test_deeper_step_supervision_reaches_the_chain_that_feeds_it():
