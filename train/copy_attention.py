@@ -79,7 +79,8 @@ def copy_attention_targets(
         j = torch.arange(0 if window is None else max(0, q0 - window + 1), int(q[-1]) + 1, device=x.device)
         match = x[:, j + 1][:, None, :] == x[:, q + 2][:, :, None]  # [B, q, j]
         for i in range(min_match):
-            xq = torch.where(q + 1 - i >= 0, x[:, (q + 1 - i).clamp(min=0)], -3)  # before the start: matches nothing
+            # a token before the start matches nothing
+            xq = torch.where(q + 1 - i >= 0, x[:, (q + 1 - i).clamp(min=0)], -3)
             xj = torch.where(j - i >= 0, x[:, (j - i).clamp(min=0)], -2)
             match &= xj[:, None, :] == xq[:, :, None]
         match &= (x[:, j + 1] >= 0)[:, None, :]
@@ -159,7 +160,8 @@ def _step_cross_entropy(records, k: int, targets, row: int, lo: int, hi: int, wi
         keys0 = records[0][1][row, lo + k0 : lo + last + 1]  # the step-0 keys any query of the block sees
         chain = [records[i][1][row, lo:hi][t] for i in range(1, k + 1)]  # [N, d] each
         source = targets[k, row, lo:hi][t] - lo - k0
-        part = checkpoint(_block_cross_entropy, q, keys0, t - k0, source, k, window, *chain, use_reentrant=False)
+        args = (q, keys0, t - k0, source, k, window, *chain)
+        part = checkpoint(_block_cross_entropy, *args, use_reentrant=False)
         total = part if total is None else total + part
     return total
 

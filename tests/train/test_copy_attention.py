@@ -4,9 +4,9 @@ import pytest
 import torch
 from support.tiny_heads import small_head_config
 
+import eyas.train.copy_attention as copy_attention
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.layers import TTTMask
-import eyas.train.copy_attention as copy_attention
 from eyas.train.copy_attention import copy_attention_loss, copy_attention_targets, recording_head0
 from eyas.train.reference import ttt_unroll
 
@@ -193,8 +193,10 @@ def test_loss_scores_are_the_attention_the_ttt_step_computes(step, window):
     ttt = TTTMask(am, window=window)
     lo = ttt.start(step, t, t + 1)
     assert lo == (0 if window is None else t + step - window + 1)
-    keys = torch.cat([records[0][1][b, lo : t + 1]] + [records[i][1][b, t : t + 1] for i in range(1, step + 1)])
-    allowed = ttt.for_block(step, t, t + 1)[b if ttt.for_block(step, t, t + 1).shape[0] > 1 else 0, 0, 0]
+    chain = [records[i][1][b, t : t + 1] for i in range(1, step + 1)]
+    keys = torch.cat([records[0][1][b, lo : t + 1], *chain])
+    mask = ttt.for_block(step, t, t + 1)
+    allowed = mask[min(b, mask.shape[0] - 1), 0, 0]
     scores = (records[step][0][b, t] @ keys.T) / 8**0.5
     want = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)[targets[step, b, t] - lo]
     assert got == pytest.approx(float(want), rel=1e-5)
@@ -214,7 +216,10 @@ def _reference_targets(ids, valid, am, steps, min_match, window):
                 for j in range(s, -1, -1):
                     if window is not None and j <= q - window:
                         break
-                    same = all(j - i >= 0 and q + 1 - i >= 0 and x[r][j - i] == x[r][q + 1 - i] for i in range(min_match))
+                    same = all(
+                        j - i >= 0 and q + 1 - i >= 0 and x[r][j - i] == x[r][q + 1 - i]
+                        for i in range(min_match)
+                    )
                     if same and x[r][j + 1] == x[r][q + 2]:
                         out[k, r, s] = j
                         break
@@ -267,7 +272,8 @@ def test_blocked_loss_and_gradients_are_the_whole_ones(monkeypatch, window):
         loss = copy_attention_loss(records, targets, 0.8, window=window)
         loss.backward()
         got.append((loss.detach(), head.layers[0].self_attn.q_proj.weight.grad.clone()))
-    assert torch.allclose(got[0][0], got[1][0], rtol=1e-12) and torch.allclose(got[0][1], got[1][1], rtol=1e-10)
+    assert torch.allclose(got[0][0], got[1][0], rtol=1e-12)
+    assert torch.allclose(got[0][1], got[1][1], rtol=1e-10)
 
 
 def test_deeper_step_supervision_reaches_the_chain_that_feeds_it():
