@@ -165,6 +165,13 @@ def main() -> None:
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--warmup", type=int, default=1, help="untimed first steps per length (--seq-lens)")
+    ap.add_argument(
+        "--repeat-every",
+        type=int,
+        default=0,
+        help="--seq-lens: the synthetic tokens repeat with this period, so copy supervision has a "
+        "source for every query past the first period (0: random tokens, almost no source)",
+    )
     ap.add_argument("--one-length", type=int, default=None, help=argparse.SUPPRESS)  # a --seq-lens child
     args = ap.parse_args()
     keep_freed_memory()  # as every `eyas` command does
@@ -314,6 +321,9 @@ def one_length(args) -> dict:
     step = build_head_step(recipe, cfg_t, "smollm2-135m", device, rows=n)
     gen = torch.Generator().manual_seed(0)
     batch = synthetic_batch(1, n, cfg_t.vocab_size, step.aux_width, cfg_t.hidden_size, device, gen, [n])
+    if args.repeat_every:
+        period = batch["input_ids"][:, : args.repeat_every]
+        batch["input_ids"] = period.repeat(1, -(-n // args.repeat_every))[:, :n]
 
     import threading
 
@@ -362,7 +372,7 @@ def bench_lengths(args) -> None:
 
     lengths = [int(x) for x in args.seq_lens.split(",") if x]
     base = [sys.executable, os.path.abspath(__file__), "--steps", str(args.steps), "--ttt", str(args.ttt)]
-    base += ["--warmup", str(args.warmup)]
+    base += ["--warmup", str(args.warmup), "--repeat-every", str(args.repeat_every)]
     base += ["--device", args.device] + (["--threads", str(args.threads)] if args.threads else [])
     base += [f"--override={o}" for o in args.override]
     loadavg_before = os.getloadavg()[0]
@@ -385,6 +395,7 @@ def bench_lengths(args) -> None:
                 "settings": {
                     "recipe": "recipes/smollm2-135m-eagle3.yaml",
                     "overrides": [f"train.eagle3.ttt_steps={args.ttt}", *args.override],
+                    "repeat_every": args.repeat_every,
                     "timed_steps": args.steps,
                     "warmup_steps": args.warmup,
                     "device": device,
