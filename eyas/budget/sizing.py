@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -146,6 +147,22 @@ def choose(rates: Rates, recipe, left_s: float, fixed: tuple[str, ...] = ()) -> 
     return Choice(n, e, estimates, reasons)
 
 
+# A 1-minute load average at or above this share of the cores before the probe means other
+# work is running: the rates measured are that load's, and the run is cut for it.
+BUSY_LOAD_PER_CORE = 0.5
+
+
+def busy_reason(load: float | None, cores: int, path) -> str | None:
+    """A reason line for budget.json when the CPU was busy as the probe began, else None
+    (also where the platform has no load average)."""
+    if load is None or load < BUSY_LOAD_PER_CORE * cores:
+        return None
+    return (
+        f"the CPU was busy as it was measured (load average {load:.1f} on {cores} cores): the run "
+        f"is sized for that load; on an idle machine delete {path} and rerun to size it again"
+    )
+
+
 def size_run(
     recipe, budget_s: float, spent_s: float, fixed: tuple[str, ...] = (), progress: bool = True
 ) -> dict:
@@ -163,6 +180,7 @@ def size_run(
     from eyas.budget.probe import measure
 
     fixed = kept_keys(recipe, fixed)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     start = time.perf_counter()
     rates = measure(recipe, progress)
     probe_s = time.perf_counter() - start
@@ -177,7 +195,8 @@ def size_run(
         "recipe_values": {"data.max_samples": recipe.data.max_samples, "train.epochs": recipe.train.epochs},
         "overrides": [o for o in choice.overrides if o.split("=")[0] not in fixed],
         "estimates_s": {k: round(v, 1) for k, v in choice.estimates.items()},
-        "reasons": choice.reasons,
+        "reasons": choice.reasons + [r for r in [busy_reason(load, os.cpu_count() or 1, path)] if r],
+        "load_average_before": load,
         "rates": asdict(rates),
     }
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -160,6 +160,7 @@ def test_probe_sizes_the_run_and_prepare_keeps_its_replies(tiny_llama_dir, tmp_p
     # max_samples was set by the user: only the epochs are sized, and printed for the stages
     assert out.out.split() == sized["overrides"] == ["train.epochs=4"]
     assert "estimated" in out.err and sized["spent_before_s"] == 30
+    assert sized["load_average_before"] is None or sized["load_average_before"] >= 0
     r = sized["rates"]
     assert r["probe_conversations"] == 16 and r["regen_batch_s"] > 0 and r["step_s"] > 0
     assert r["decode_s_per_token"] > 0 and r["samples_per_step"] >= 1 and r["sample_tokens"] > 10
@@ -267,3 +268,14 @@ def test_the_probe_batch_takes_a_real_batchs_lengths():
     assert bool((batch["loss_mask"] <= batch["attention_mask"]).all()) and int(batch["loss_mask"].sum()) > 0
     with pytest.raises(ValueError, match="do not describe"):
         synthetic_batch(3, 9, 50, 12, 4, "cpu", gen, lengths=[8, 4, 7])
+
+
+def test_a_busy_cpu_is_said_with_the_way_to_size_again(tmp_path):
+    from eyas.budget.sizing import busy_reason
+
+    path = tmp_path / "budget.json"
+    said = busy_reason(1.9, 2, path)
+    assert "load average 1.9 on 2 cores" in said and str(path) in said
+    assert busy_reason(0.4, 2, path) is None  # an idle 2-core machine
+    assert busy_reason(3.0, 16, path) is None  # a busy core of sixteen leaves the rates near
+    assert busy_reason(None, 2, path) is None  # no load average on this platform
