@@ -108,10 +108,9 @@ def greedy_decode(
     """Plain greedy decoding with a KV cache, one token per target forward (after
     `shared`'s prefill when given: plain decoding reads no aux states)."""
     device = model.get_output_embeddings().weight.device
-    if shared is not None:
-        cache, logits, _, before = shared.fresh_cache(), shared.logits, None, shared.seconds
-    else:
-        cache, logits, _, before = _start(model, prompt, (), None)
+    # any shared prefill serves: plain decoding ignores the aux states it holds
+    aux_layer_ids = shared.aux_layer_ids if shared is not None else ()
+    cache, logits, _, before = _start(model, prompt, aux_layer_ids, shared)
     start = time.perf_counter() - before
     logits = logits[0]
     out, margins, forwards = [], [], 1
