@@ -136,8 +136,8 @@ class TTTMask:
         self.length = real.shape[1]
         self.real = real
         # A packed row is one row where a bucketed batch has many: 64-slot blocks there make
-        # many small calls (one packed ShareGPT row: 9-43 s a step at 64, 8.5-10 s at 128 and
-        # 256 on the shared reference CPU), so packed rows take 256 on any device.
+        # many small calls, so packed rows take 256 on any device (docs/experiments.md,
+        # "packing short samples into rows").
         cpu_block = 64 if segments is None else 256
         self.block = block or (cpu_block if real.device.type == "cpu" else 256)
         self.window = window
