@@ -127,7 +127,9 @@ def materialize_smollm2(cache_dir: Path | None = None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to %s (once)", gguf, out)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16, use_kernels=False
+    )
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # The dequantized weights are plain tensors now; drop the GGUF quantizer so
     # save_pretrained writes an ordinary checkpoint.
@@ -287,6 +289,10 @@ def load_target(
             attn_implementation=attn,
             revision=revision,
             trust_remote_code=trust_remote_code,
+            # transformers swaps layers for kernels fetched from the Hub unless told not to:
+            # code from the Hub the user never asked for, and on an offline GPU node a failed
+            # load. The MXFP4 experts' kernels are the quantizer's and stay (target/quantized.py).
+            use_kernels=False,
             **placed,
             **quantized,
         )

@@ -21,6 +21,13 @@ def test_tiny_target_loads_frozen_and_exposes_hidden_states(tiny_target_dir):
     assert out.logits.shape[-1] == target.vocab_size
 
 
+def test_target_runs_its_own_modules_not_hub_kernels(tiny_llama_dir):
+    """transformers kernelizes a loaded model with kernels fetched from the Hub by default
+    (on a GPU: code nobody asked for, and offline a failed load, as seen on an H200); the
+    target eyas loads keeps its own modules."""
+    assert load_target(str(tiny_llama_dir), dtype="float32", device="cpu").model.use_kernels is False
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gpt_oss"])
 def test_attention_is_one_the_architecture_accepts(family):
     """GPT-OSS's class refuses SDPA on every device (a GPU included): eager on a CPU, flex
