@@ -15,9 +15,9 @@ speedup error there says how far to trust the planner at points nobody measured.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-from eyas.eval.planner import step_time
+from eyas.eval.planner import draft_time, step_time
 from eyas.eval.sizes import Hardware, HeadSize, TargetSize, head_size, target_size_from_config
 
 PARAMS = ("step_overhead", "pass_overhead", "layer_latency", "hbm_bandwidth", "peak_flops")
@@ -179,6 +179,29 @@ def calibrate(report: dict, holdout_concurrency=(), holdout_k=(), name: str = "m
     errs = [abs(r["speedup_error"]) for r in cal.heldout_points if "speedup_error" in r]
     cal.max_heldout_error = max(errs) if errs else None
     return cal
+
+
+def draft_terms_from_chains(hw: Hardware, chains: dict[HeadSize, float], batch: int, context: int) -> dict:
+    """A draft head's fixed terms (`draft_pass_overhead`, `draft_layer_latency`, seconds)
+    from measured EAGLE-3 chains (scripts/bench_draft.py): `chains` maps each chain's size
+    to the seconds one more draft pass adds at `batch` sequences of `context` tokens. What
+    the roofline explains of a pass (its weights and KV read, its FLOPs) is taken off; two
+    chains of different depth split the rest into a per-pass and a per-layer part, one
+    chain keeps `hw`'s layer latency and fits the pass overhead alone. Neither is negative."""
+    if not chains or any(h.algorithm != "eagle3" for h in chains):
+        raise CalibrationError("the draft terms are fitted to EAGLE-3 chains (one pass per drafted token)")
+    bare = replace(hw, draft_pass_overhead=0.0, draft_layer_latency=0.0)
+    # one chained pass: a one-token pass per sequence, nothing but the roofline on `bare`
+    fixed = {h: sec - draft_time(bare, h, batch, 1, context, drafted=0) for h, sec in chains.items()}
+    shallow, deep = min(fixed, key=lambda h: h.num_layers), max(fixed, key=lambda h: h.num_layers)
+    if deep.num_layers > shallow.num_layers:
+        layer = max(0.0, (fixed[deep] - fixed[shallow]) / (deep.num_layers - shallow.num_layers))
+    else:
+        layer = hw.layer_latency if hw.draft_layer_latency is None else hw.draft_layer_latency
+    return {
+        "draft_pass_overhead": max(0.0, fixed[shallow] - shallow.num_layers * layer),
+        "draft_layer_latency": layer,
+    }
 
 
 def default_holdout(report: dict) -> list[int]:

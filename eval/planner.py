@@ -18,7 +18,7 @@ both sides with the step overhead, where E_K = expected_tokens_per_step(a_1..a_K
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from eyas.core.acceptance import expected_tokens_per_step
 from eyas.eval.sizes import Hardware, HeadSize, TargetSize
@@ -53,9 +53,11 @@ def draft_time(
     verified (1 + `drafted` per sequence, rejected ones included: vLLM pads the drafter's
     batch rather than compacting it); EAGLE-3 then runs K-1 one-token passes, P-EAGLE
     appends its K-1 mask slots to the first pass instead. n-gram: no pass (its lookup runs
-    on the host while the target's step is prepared)."""
+    on the host while the target's step is prepared). The fixed terms are the head's own
+    where `hw` has them (`draft_pass_overhead`, `draft_layer_latency`)."""
     if head.algorithm == "ngram":
         return 0.0
+    hw = draft_hardware(hw)
     kv = batch * head.kv_bytes(context)
     wbytes = head.params * 2
     verified = 1 + (k if drafted is None else drafted)
@@ -64,6 +66,15 @@ def draft_time(
         return pass_time(hw, head.num_layers, wbytes, 2 * head.params * n, kv)
     first = pass_time(hw, head.num_layers, wbytes, 2 * head.params * batch * verified, kv)
     return first + (k - 1) * pass_time(hw, head.num_layers, wbytes, 2 * head.params * batch, kv)
+
+
+def draft_hardware(hw: Hardware) -> Hardware:
+    """`hw` with a draft head's measured fixed terms in place of the target's, where known."""
+    return replace(
+        hw,
+        pass_overhead=hw.pass_overhead if hw.draft_pass_overhead is None else hw.draft_pass_overhead,
+        layer_latency=hw.layer_latency if hw.draft_layer_latency is None else hw.draft_layer_latency,
+    )
 
 
 def step_time(
@@ -164,7 +175,13 @@ def assumptions(p: Plan) -> list[str]:
         f"hardware {hw.name}: HBM {hw.hbm_bandwidth / 1e12:.2f} TB/s x{hw.bw_efficiency}, "
         f"peak {hw.peak_flops / 1e12:.0f} TFLOP/s (dense bf16) x{hw.flops_efficiency}, "
         f"fixed {hw.pass_overhead * 1e6:.0f} us/pass + {hw.layer_latency * 1e6:.0f} us/layer"
-        + (f" + {hw.step_overhead * 1e6:.0f} us/engine step" if hw.step_overhead else ""),
+        + (f" + {hw.step_overhead * 1e6:.0f} us/engine step" if hw.step_overhead else "")
+        + (
+            f"; draft passes measured: {draft_hardware(hw).pass_overhead * 1e6:.0f} us/pass + "
+            f"{draft_hardware(hw).layer_latency * 1e6:.0f} us/layer"
+            if hw.draft_pass_overhead is not None or hw.draft_layer_latency is not None
+            else ""
+        ),
         f"target {t.name}: {t.total_params / 1e9:.2f}B params ({t.active_params / 1e9:.2f}B active), "
         f"{t.num_layers} layers, weights read per token {t.weight_bytes(1) / 1e9:.2f} GB, "
         f"KV {t.kv_bytes(p.context) / 1e6:.1f} MB per sequence at context {p.context}",

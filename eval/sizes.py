@@ -24,13 +24,27 @@ class Hardware:
     bw_efficiency: float = 0.8
     flops_efficiency: float = 0.3  # grouped MoE GEMMs at small per-expert batch
     memory_bytes: float = 0.0  # accelerator memory, for the VRAM tax (0: unknown)
+    # A draft head's own fixed terms where they were measured (scripts/bench_draft.py; None:
+    # the pass and layer terms above): a head's small passes run from CUDA graphs in the
+    # engine, so their floors are not the target's.
+    draft_pass_overhead: float | None = None
+    draft_layer_latency: float | None = None
 
 
 HARDWARE = {
     h.name: h
     for h in (
         Hardware(name="B200", hbm_bandwidth=8.0e12, peak_flops=2.25e15, memory_bytes=180e9),
-        Hardware(name="H200", hbm_bandwidth=4.8e12, peak_flops=0.989e15, memory_bytes=141e9),
+        # draft terms: GPT-OSS-20B-shaped heads replayed from CUDA graphs on an H200, fitted
+        # by scripts/bench_draft.py (docs/benchmarks.md, "Drafting on an H200")
+        Hardware(
+            name="H200",
+            hbm_bandwidth=4.8e12,
+            peak_flops=0.989e15,
+            memory_bytes=141e9,
+            draft_pass_overhead=38e-6,
+            draft_layer_latency=129e-6,
+        ),
         Hardware(name="H100", hbm_bandwidth=3.35e12, peak_flops=0.989e15, memory_bytes=80e9),
         Hardware(name="A100", hbm_bandwidth=2.039e12, peak_flops=0.312e15, memory_bytes=80e9),
         Hardware(name="L40S", hbm_bandwidth=0.864e12, peak_flops=0.362e15, memory_bytes=48e9),

@@ -243,3 +243,32 @@ def test_plan_warns_when_most_draft_tokens_would_be_rejected(tmp_path):
     high = run("0.9,0.85,0.8")
     assert high["warnings"] == [] and high["serve"]["1"]["speedup"] > 1
     assert "--speculative-config" in high["command_at_lowest_concurrency"]
+
+
+def _chain(layers: int) -> S.HeadSize:
+    return S.head_size(S.TARGETS["gpt-oss-20b"], "eagle3", layers)
+
+
+def test_draft_terms_are_recovered_from_two_chains():
+    """Chains of 1 and 4 layers timed by a planner with known draft terms give those terms
+    back: the roofline part of each pass is taken off, the rest split per pass and layer."""
+    from eyas.eval.calibrate import draft_terms_from_chains
+
+    truth = S.with_overrides(S.HARDWARE["H100"], draft_pass_overhead=40e-6, draft_layer_latency=120e-6)
+    for batch in (1, 32):
+        chains = {_chain(n): P.draft_time(truth, _chain(n), batch, 1, 2048, drafted=0) for n in (1, 4)}
+        terms = draft_terms_from_chains(S.HARDWARE["H100"], chains, batch, 2048)
+        assert terms["draft_pass_overhead"] == pytest.approx(40e-6)
+        assert terms["draft_layer_latency"] == pytest.approx(120e-6)
+
+
+def test_one_chain_fits_the_pass_overhead_and_keeps_the_layer_latency():
+    from eyas.eval.calibrate import draft_terms_from_chains
+
+    hw = S.HARDWARE["H100"]
+    truth = S.with_overrides(hw, draft_pass_overhead=70e-6)
+    chains = {_chain(1): P.draft_time(truth, _chain(1), 1, 1, 512, drafted=0)}
+    terms = draft_terms_from_chains(hw, chains, 1, 512)
+    assert terms == pytest.approx({"draft_pass_overhead": 70e-6, "draft_layer_latency": hw.layer_latency})
+    with pytest.raises(CalibrationError, match="EAGLE-3 chains"):
+        draft_terms_from_chains(hw, {S.head_size(S.TARGETS["gpt-oss-20b"], "peagle", 4): 1e-3}, 1, 512)

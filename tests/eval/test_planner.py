@@ -207,3 +207,26 @@ def test_plan_for_a_head_that_never_pays_says_do_not_speculate(tmp_path, capsys)
     body = json.loads(capsys.readouterr().out)
     assert body["speculative_config"] == {"eagle3": None} and body["do_not_speculate"]["eagle3"] == line
     assert body["recommendation"]["command_at_lowest_concurrency"] is None
+
+
+def test_a_heads_measured_terms_price_its_passes_and_leave_the_target_alone():
+    """`draft_pass_overhead` / `draft_layer_latency` (H200's come from scripts/bench_draft.py)
+    replace the shared fixed terms in the draft passes only: K chained passes pay them K
+    times, a P-EAGLE pass once; the target's pass is priced as before."""
+    from dataclasses import replace
+
+    from eyas.eval.planner import draft_time, target_time
+
+    t = TARGETS["gpt-oss-20b"]
+    base = replace(HARDWARE["H100"], pass_overhead=300e-6, layer_latency=50e-6)
+    measured = replace(base, draft_pass_overhead=40e-6, draft_layer_latency=130e-6)
+    e3, pe = head_size(t, "eagle3", 1), head_size(t, "peagle", 4)
+    for k in (3, 7):
+        assert draft_time(base, e3, 1, k, 2048) - draft_time(measured, e3, 1, k, 2048) == pytest.approx(
+            k * ((300e-6 + 50e-6) - (40e-6 + 130e-6))
+        )
+        assert draft_time(base, pe, 1, k, 2048) - draft_time(measured, pe, 1, k, 2048) == pytest.approx(
+            (300e-6 + 4 * 50e-6) - (40e-6 + 4 * 130e-6)
+        )
+    assert target_time(base, t, 8, 4, 2048) == target_time(measured, t, 8, 4, 2048)
+    assert HARDWARE["H200"].draft_pass_overhead is not None
