@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     built = {}
     for spec in dict.fromkeys(wanted.values()):
         built[spec] = build_head(head_config(args.target, *spec, args.draft_vocab)).to(device, dtype).eval()
-    name_of = {spec: f"{alg}_{layers}layer" for spec in built for alg, layers in [spec]}
+    name_of = {(alg, layers): f"{alg}_{layers}layer" for alg, layers in built}
     roles = {role: name_of[spec] for role, spec in wanted.items()}
 
     modes = ["eager"] + (["graph"] if args.cuda_graphs else [])
