@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from eyas.eval.planner import draft_time, step_time
 from eyas.eval.sizes import Hardware, HeadSize, TargetSize, head_size, target_size_from_config
+from eyas.heads.algorithms import get_algorithm
 
 PARAMS = ("step_overhead", "pass_overhead", "layer_latency", "hbm_bandwidth", "peak_flops")
 # Where the fit searches (log space, so Nelder-Mead cannot step to an overflow): from 0.1 us
@@ -188,7 +189,7 @@ def draft_terms_from_chains(hw: Hardware, chains: dict[HeadSize, float], batch: 
     the roofline explains of a pass (its weights and KV read, its FLOPs) is taken off; two
     chains of different depth split the rest into a per-pass and a per-layer part, one
     chain keeps `hw`'s layer latency and fits the pass overhead alone. Neither is negative."""
-    if not chains or any(h.algorithm != "eagle3" for h in chains):
+    if not chains or any(get_algorithm(h.algorithm).draft_passes(2) != 2 for h in chains):
         raise CalibrationError("the draft terms are fitted to EAGLE-3 chains (one pass per drafted token)")
     bare = replace(hw, draft_pass_overhead=0.0, draft_layer_latency=0.0)
     # one chained pass: a one-token pass per sequence, nothing but the roofline on `bare`
