@@ -171,15 +171,16 @@ def speculative_config(plan_: Plan, concurrency: int, model: str) -> dict:
 
 def assumptions(p: Plan) -> list[str]:
     hw, t, h = p.hardware, p.target, p.head
+    drafts = draft_hardware(hw)
     lines = [
         f"hardware {hw.name}: HBM {hw.hbm_bandwidth / 1e12:.2f} TB/s x{hw.bw_efficiency}, "
         f"peak {hw.peak_flops / 1e12:.0f} TFLOP/s (dense bf16) x{hw.flops_efficiency}, "
         f"fixed {hw.pass_overhead * 1e6:.0f} us/pass + {hw.layer_latency * 1e6:.0f} us/layer"
         + (f" + {hw.step_overhead * 1e6:.0f} us/engine step" if hw.step_overhead else "")
         + (
-            f"; draft passes measured: {draft_hardware(hw).pass_overhead * 1e6:.0f} us/pass + "
-            f"{draft_hardware(hw).layer_latency * 1e6:.0f} us/layer"
-            if hw.draft_pass_overhead is not None or hw.draft_layer_latency is not None
+            f"; draft passes measured: {drafts.pass_overhead * 1e6:.0f} us/pass + "
+            f"{drafts.layer_latency * 1e6:.0f} us/layer"
+            if drafts != hw
             else ""
         ),
         f"target {t.name}: {t.total_params / 1e9:.2f}B params ({t.active_params / 1e9:.2f}B active), "

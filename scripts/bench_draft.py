@@ -18,7 +18,7 @@ measured one (DESIGN §6.1).
 
     python scripts/bench_draft.py [--device cuda] [--dtype bfloat16|float32]
         [--target openai/gpt-oss-20b] [--layers 4] [--shipped-layers 4] [--batch 1 8 32]
-        [--prefix 2048] [--ks 3 5 7] [--cuda-graphs] [--hardware H200] [--out FILE]
+        [--prefix 2048] [--ks 3 5 7] [--cuda-graphs] [--hardware H200|auto] [--out FILE]
 """
 
 from __future__ import annotations
@@ -169,7 +169,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ks", type=int, nargs="+", default=[3, 5, 7])
     parser.add_argument("--cuda-graphs", action="store_true", help="also time CUDA-graph replays")
     parser.add_argument(
-        "--hardware", default=None, help="fit the planner's draft terms for this accelerator (a name)"
+        "--hardware",
+        default=None,
+        help="fit the planner's draft terms for this accelerator (a name; auto: the CUDA device's)",
     )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=1, help="calls per head per round")
@@ -245,6 +247,8 @@ def main(argv=None) -> int:
                 args.out.write_text(json.dumps(out, indent=2) + "\n")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    if args.hardware == "auto":
+        args.hardware = device_hardware(device)
     if args.hardware:
         out["planner"] = fit_planner(out, built, name_of, args)
     text = json.dumps(out, indent=2)
@@ -252,6 +256,16 @@ def main(argv=None) -> int:
     if args.out:
         args.out.write_text(text + "\n")
     return 0
+
+
+def device_hardware(device: torch.device) -> str | None:
+    """The planner's name for the CUDA device timed (`H200` in "NVIDIA H200"), or None."""
+    from eyas.eval.sizes import HARDWARE
+
+    if device.type != "cuda":
+        return None
+    card = torch.cuda.get_device_name(device)
+    return next((name for name in HARDWARE if name in card), None)
 
 
 def fit_planner(out: dict, built: dict, name_of: dict, args) -> dict:
