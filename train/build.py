@@ -310,6 +310,13 @@ def initial_head(
     fresh head shaped by the recipe (both float32, on the CPU)."""
     source_name = recipe.train.init_from
     if not source_name:
+        if recipe.train.loss == "tv":
+            # A fresh head overlaps the target almost nowhere, where TV's gradient vanishes.
+            log.warning(
+                "train.loss tv on a fresh head: it learns slowly until its draft overlaps the "
+                "target's distribution (docs/experiments.md, 2026-12-05); lk trains as kl at first and "
+                "turns to tv as acceptance rises, or start from a trained head with train.init_from"
+            )
         cfg = head_config_for(
             recipe, target.config, verifier=verifier, tokenizer=target.tokenizer, token_freqs=freqs
         )

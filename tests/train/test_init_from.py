@@ -251,3 +251,22 @@ def test_eval_compare_reports_both_heads_on_the_same_prompts(tmp_path, tiny_llam
     assert all(report["drafters"][n]["per_position_acceptance"] for n in ("head", "before"))
     assert (out / "eval_report.png").stat().st_size > 0
     assert "before" in (out / "eval_report.md").read_text()
+
+
+def test_a_fresh_head_trained_on_tv_alone_is_warned_and_kl_is_not(tmp_path, tiny_llama_dir, caplog):
+    from eyas.recipe import recipe_from_dict
+    from eyas.train.build import initial_head
+
+    recipe = prepare_run(tmp_path, tiny_llama_dir, n=8, max_steps=1)
+    target = _target(tiny_llama_dir)
+    freqs = torch.ones(target.vocab_size)
+    for loss in ("kl", "lk", "tv"):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="eyas.train.build"):
+            initial_head(
+                recipe_from_dict({**recipe.model_dump(), "train": {**recipe.train.model_dump(), "loss": loss}}),
+                target,
+                freqs,
+                verifier=None,
+            )
+        assert ("train.loss tv on a fresh head" in caplog.text) == (loss == "tv"), loss
