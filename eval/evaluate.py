@@ -11,7 +11,7 @@ import torch
 
 from eyas.data.reasoning import decoded_reply
 from eyas.eval.eval_settings import EvalSettings
-from eyas.eval.report import summarize, summarize_by_context
+from eyas.eval.report import paired_against_head, summarize, summarize_by_context
 from eyas.eval.speculate import greedy_decode, prefill, replay_greedy, speculative_decode
 from eyas.eval.workloads import WorkloadPrompt, render_turn
 from eyas.target.load import stop_token_ids
@@ -148,6 +148,8 @@ def run_eval(
         "num_sequences": seq,
         "plain": summarize(plain_traces, k),
         "drafters": {name: summarize(t, k) for name, t in traces.items()},
+        # what decides a compared head: its τ against the head's on the same sequences
+        "paired_vs_head": paired_against_head(traces),
         "per_category": {c: {n: summarize(t, k) for n, t in d.items()} for c, d in by_cat.items()},
         # Later turns read the earlier replies (the target's own, plainly decoded) as context.
         "per_turn": {

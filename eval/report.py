@@ -40,6 +40,36 @@ def tau_standard_error(traces) -> float | None:
     return (m / (m - 1) * spread) ** 0.5 / steps
 
 
+def paired_tau_difference(traces, base) -> dict | None:
+    """τ of `traces` minus τ of `base`, two drafters decoded over the same sequences, with
+    the standard error of the difference taken sequence by sequence: a prompt that is easy
+    for one head is easy for the other, so pairing cancels most of the spread each τ has
+    alone (`tau_standard_error`). None unless both cover the same two or more sequences."""
+    if len(traces) != len(base) or len(traces) < 2:
+        return None
+    ours = [(sum(t.accepted), len(t.drafted)) for t in traces]
+    theirs = [(sum(t.accepted), len(t.drafted)) for t in base]
+    n_ours, n_theirs = sum(n for _, n in ours), sum(n for _, n in theirs)
+    if not n_ours or not n_theirs:
+        return None
+    r_ours = sum(a for a, _ in ours) / n_ours
+    r_theirs = sum(a for a, _ in theirs) / n_theirs
+    # each sequence's share of the difference of the two ratios (delta method)
+    parts = [
+        (a - r_ours * n) / n_ours - (b - r_theirs * m) / n_theirs for (a, n), (b, m) in zip(ours, theirs)
+    ]
+    m = len(parts)
+    return {"difference": r_ours - r_theirs, "se": (m / (m - 1) * sum(u * u for u in parts)) ** 0.5}
+
+
+def paired_against_head(traces: dict) -> dict[str, dict]:
+    """`paired_tau_difference` of every other drafter against the one named "head"."""
+    if "head" not in traces:
+        return {}
+    pairs = {n: paired_tau_difference(t, traces["head"]) for n, t in traces.items() if n != "head"}
+    return {n: d for n, d in pairs.items() if d is not None}
+
+
 def summarize(traces, k: int) -> dict:
     """Aggregate `DecodeTrace`s of one drafter (or of plain decoding) into a summary dict."""
     steps = sum(len(t.drafted) for t in traces)
@@ -176,6 +206,16 @@ def _replay_notes(report: dict) -> list[str]:
     ]
 
 
+def _paired_lines(report: dict) -> list[str]:
+    pairs = report.get("paired_vs_head") or {}
+    if not pairs:
+        return []
+    return [
+        "tau minus the head's, paired over the same sequences (± se): "
+        + ", ".join(f"{n} {d['difference']:+.3f} ±{d['se']:.3f}" for n, d in pairs.items())
+    ]
+
+
 def format_report(report: dict) -> str:
     lines = [
         f"target {report['target']}  head {report.get('head') or '-'}  workload {report['workload']}  "
@@ -184,6 +224,7 @@ def format_report(report: dict) -> str:
         format_table(table_rows(report)),
     ]
     lines += _replay_notes(report)
+    lines += _paired_lines(report)
     cats = report.get("per_category", {})
     if cats:
         lines.append("per category (tau):")
@@ -242,7 +283,7 @@ def markdown(report: dict) -> str:
         "tau = tokens per target forward; a_k = acceptance of draft position k given 1..k-1 accepted; "
         "TAR = accepted / proposed; tok/s measured on this machine.",
     ]
-    md += [f"- {n}" for n in _replay_notes(report)]
+    md += [f"- {n}" for n in _replay_notes(report) + _paired_lines(report)]
     by_context = context_lines(report)
     if by_context:
         md += ["", "```", *by_context, "```"]

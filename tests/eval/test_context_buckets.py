@@ -130,3 +130,30 @@ def test_tau_standard_error_treats_sequences_as_the_unit():
     assert out["<100"]["tau_se"] == pytest.approx(12**0.5 / 6)
     line = context_lines({"per_context": {"head": out}, "context_buckets": [100], "workload": "w", "k": 2})[1]
     assert "2.00 ±0.58 / " in line
+
+
+def test_paired_tau_difference_cancels_what_the_prompts_share():
+    """Two heads over the same three sequences: the second accepts one token more on every
+    step of the two easy sequences. Alone each τ spreads with the prompts; paired, the
+    difference's error is only how unevenly the gain falls (here the hard sequence gains
+    nothing), well under the spread of either τ."""
+    from eyas.eval.report import paired_against_head, paired_tau_difference, tau_standard_error
+
+    def seq(accepted):
+        return DecodeTrace(tokens=[1], seconds=1.0, forwards=3, drafted=[3, 3], accepted=accepted)
+
+    base = [seq([2, 2]), seq([0, 0]), seq([2, 2])]
+    better = [seq([3, 3]), seq([0, 0]), seq([3, 3])]
+    d = paired_tau_difference(better, base)
+    # τ 1 + 12/6 = 3 against 1 + 8/6; each easy step gains 1 of 6 steps
+    assert d["difference"] == pytest.approx(12 / 6 - 8 / 6)
+    # per sequence (accepted - rate · steps) / all steps, ours minus theirs:
+    # easy (6 - 2·2)/6 - (4 - 4/3·2)/6 = 1/9, hard (0 - 2·2)/6 - (0 - 4/3·2)/6 = -2/9
+    parts = [1 / 9, -2 / 9, 1 / 9]
+    assert d["se"] == pytest.approx((3 / 2 * sum(u * u for u in parts)) ** 0.5) == pytest.approx(1 / 3)
+    assert d["se"] < tau_standard_error(base) and d["se"] < tau_standard_error(better)
+    assert paired_tau_difference(base, base) == {"difference": 0.0, "se": 0.0}
+    assert paired_tau_difference(better[:2], base) is None  # not the same sequences
+    pairs = paired_against_head({"head": base, "b": better, "ngram": base[:1]})
+    assert list(pairs) == ["b"]
+    assert paired_against_head({"b": better}) == {}

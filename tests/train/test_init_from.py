@@ -251,6 +251,11 @@ def test_eval_compare_reports_both_heads_on_the_same_prompts(tmp_path, tiny_llam
     assert all(report["drafters"][n]["per_position_acceptance"] for n in ("head", "before"))
     assert (out / "eval_report.png").stat().st_size > 0
     assert "before" in (out / "eval_report.md").read_text()
+    # the compared head's τ against the head's on the same two sequences
+    pair = report["paired_vs_head"]["before"]
+    tau = {n: report["drafters"][n]["tau"] for n in ("head", "before")}
+    assert pair["difference"] == pytest.approx(tau["before"] - tau["head"]) and pair["se"] >= 0
+    assert "paired over the same sequences" in (out / "eval_report.md").read_text()
 
 
 def test_a_fresh_head_trained_on_tv_alone_is_warned_and_kl_is_not(tmp_path, tiny_llama_dir, caplog):
