@@ -267,9 +267,10 @@ def test_a_fresh_head_trained_on_tv_alone_is_warned_and_kl_is_not(tmp_path, tiny
     freqs = torch.ones(target.vocab_size)
     for loss in ("kl", "lk", "tv"):
         caplog.clear()
+        train_cfg = {**recipe.train.model_dump(), "loss": loss}
         with caplog.at_level("WARNING", logger="eyas.train.build"):
             initial_head(
-                recipe_from_dict({**recipe.model_dump(), "train": {**recipe.train.model_dump(), "loss": loss}}),
+                recipe_from_dict({**recipe.model_dump(), "train": train_cfg}),
                 target,
                 freqs,
                 verifier=None,
