@@ -209,11 +209,15 @@ def speculative_decode(
                 bonus = int(pred[n])
             else:
                 p = serving_probs(logits, temperature, top_k, top_p)
+                # one row per verify step, empty where nothing was drafted (prompt lookup
+                # finds no match), so expected[i] stays step i's as contexts[i] is
+                expected = []
                 if kd:
                     q_full = (
                         q.to(p) if q is not None else torch.nn.functional.one_hot(draft, p.shape[-1]).to(p)
                     )
-                    trace.expected.append(torch.minimum(p[:kd], q_full).sum(-1).tolist())
+                    expected = torch.minimum(p[:kd], q_full).sum(-1).tolist()
+                trace.expected.append(expected)
                 n, bonus = rejection_sample(p, q.to(p) if q is not None else None, draft, generator)
             new = draft[:n].tolist() + [bonus]
             cache.crop(-(kd - n))

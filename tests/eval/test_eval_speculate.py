@@ -367,3 +367,22 @@ def test_a_shared_prefill_decodes_as_its_own_prefill(tiny_target_dir, temperatur
     plain_shared = greedy_decode(model, prompt, 20, set(), shared)
     assert (plain_shared.tokens, plain_shared.margins) == (plain.tokens, plain.margins)
     assert plain_shared.seconds >= shared.seconds
+
+
+def test_sampled_steps_that_draft_nothing_keep_the_trace_aligned(tiny_llama_dir):
+    """At temperature > 0 prompt lookup drafts nothing on many steps: each step still has its
+    (empty) expected-acceptance row, so the per-context split and the summary read step i's
+    row for step i (a sampled eval with the n-gram baseline once failed at its very end)."""
+    from eyas.eval.context_buckets import split_by_context
+    from eyas.eval.report import summarize_by_context
+
+    target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 9]
+    g = torch.Generator().manual_seed(0)
+    tr = speculative_decode(target.model, prompt, NgramDrafter(1, 3), 3, 24, set(), 1.0, g)
+    assert 0 in tr.drafted and any(tr.drafted)  # both kinds of step happened
+    assert len(tr.expected) == len(tr.drafted) == len(tr.contexts)
+    assert all(len(row) == d for row, d in zip(tr.expected, tr.drafted))
+    parts = split_by_context([tr], [len(prompt) + 8])
+    assert sum(len(p.expected) for ps in parts.values() for p in ps) == len(tr.drafted)
+    assert summarize_by_context([tr], 3, [len(prompt) + 8])
