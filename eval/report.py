@@ -25,19 +25,27 @@ LOW_FIRST_ACCEPTANCE = 0.30
 REPORT_NAME = RunPaths.EVAL_REPORT
 
 
+def _sequence_shares(traces) -> tuple[float, list[float]]:
+    """(τ - 1 = Σ accepted / Σ verify steps, each sequence's share of its error by the delta
+    method for a ratio of sums: (accepted - rate · steps) / all steps)."""
+    parts = [(sum(t.accepted), len(t.drafted)) for t in traces]
+    steps = sum(n for _, n in parts)
+    rate = sum(a for a, _ in parts) / steps
+    return rate, [(a - rate * n) / steps for a, n in parts]
+
+
+def _spread(shares: list[float]) -> float:
+    m = len(shares)
+    return (m / (m - 1) * sum(u * u for u in shares)) ** 0.5
+
+
 def tau_standard_error(traces) -> float | None:
     """The standard error of τ with sequences as the unit: τ - 1 is a ratio (tokens
     accepted over verify steps) of sums over sequences, and the steps of one sequence move
     together (one easy prompt accepts long runs throughout), so the steps are not
     independent draws. None below two sequences with a step."""
-    parts = [(sum(t.accepted), len(t.drafted)) for t in traces if t.drafted]
-    m = len(parts)
-    if m < 2:
-        return None
-    steps = sum(n for _, n in parts)
-    rate = sum(a for a, _ in parts) / steps
-    spread = sum((a - rate * n) ** 2 for a, n in parts)
-    return (m / (m - 1) * spread) ** 0.5 / steps
+    stepped = [t for t in traces if t.drafted]
+    return _spread(_sequence_shares(stepped)[1]) if len(stepped) >= 2 else None
 
 
 def paired_tau_difference(traces, base) -> dict | None:
@@ -47,19 +55,10 @@ def paired_tau_difference(traces, base) -> dict | None:
     alone (`tau_standard_error`). None unless both cover the same two or more sequences."""
     if len(traces) != len(base) or len(traces) < 2:
         return None
-    ours = [(sum(t.accepted), len(t.drafted)) for t in traces]
-    theirs = [(sum(t.accepted), len(t.drafted)) for t in base]
-    n_ours, n_theirs = sum(n for _, n in ours), sum(n for _, n in theirs)
-    if not n_ours or not n_theirs:
+    if not any(t.drafted for t in traces) or not any(t.drafted for t in base):
         return None
-    r_ours = sum(a for a, _ in ours) / n_ours
-    r_theirs = sum(a for a, _ in theirs) / n_theirs
-    # each sequence's share of the difference of the two ratios (delta method)
-    parts = [
-        (a - r_ours * n) / n_ours - (b - r_theirs * m) / n_theirs for (a, n), (b, m) in zip(ours, theirs)
-    ]
-    m = len(parts)
-    return {"difference": r_ours - r_theirs, "se": (m / (m - 1) * sum(u * u for u in parts)) ** 0.5}
+    (rate, ours), (base_rate, theirs) = _sequence_shares(traces), _sequence_shares(base)
+    return {"difference": rate - base_rate, "se": _spread([u - v for u, v in zip(ours, theirs)])}
 
 
 def paired_against_head(traces: dict) -> dict[str, dict]:

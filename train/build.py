@@ -314,7 +314,7 @@ def initial_head(
             # A fresh head overlaps the target almost nowhere, where TV's gradient vanishes.
             log.warning(
                 "train.loss tv on a fresh head: it learns slowly until its draft overlaps the "
-                "target's distribution (docs/experiments.md, 2026-12-05); lk trains as kl at first and "
+                "target's distribution (docs/experiments.md, 2026-12-06); lk trains as kl at first and "
                 "turns to tv as acceptance rises, or start from a trained head with train.init_from"
             )
         cfg = head_config_for(
