@@ -33,6 +33,7 @@ class RunPaths:
     EVAL_REPORT_MD = "eval_report.md"
     EVAL_PLOT = "eval_report.png"
     EVAL_CONTEXT_PLOT = "eval_by_context.png"
+    EVAL_SEQUENCES = "eval_sequences.jsonl"  # per prompt, what resumes a killed eval
     PLAN = "plan.json"
     PLAN_PLOT = "plan.png"
     # In the bench-serve directory.

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from eyas.core.length_batches import pack_group
+from eyas.core.record_log import read_records
 from eyas.data.decode import decode_replies_hf
 from eyas.data.fed_states import write_fed_states
 from eyas.data.reasoning import (
@@ -64,22 +65,15 @@ def done_records(path: Path) -> dict[int, dict]:
     """Whole records already written, index -> record; a line cut off by a kill is
     removed from the file so appending continues on a fresh line."""
     done = {}
-    if path.is_file():
-        data = path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            with open(path, "r+b") as f:
-                f.truncate(data.rfind(b"\n") + 1)
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                    done[int(rec["index"])] = {
-                        "source": rec.get("source", ""),
-                        "messages": rec["messages"],
-                        "token_checks": rec.get("token_checks") or {},
-                    }
-                except (json.JSONDecodeError, KeyError, ValueError, TypeError):
-                    continue  # the line a kill cut off
+    for rec in read_records(path)[0]:
+        try:
+            done[int(rec["index"])] = {
+                "source": rec.get("source", ""),
+                "messages": rec["messages"],
+                "token_checks": rec.get("token_checks") or {},
+            }
+        except (KeyError, ValueError, TypeError):
+            continue  # not a record of this file: its index is generated again
     return done
 
 

@@ -5,13 +5,17 @@ them (DESIGN §6)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from eyas.core.record_log import append_record
+from eyas.core.run_paths import RunPaths
 from eyas.data.reasoning import decoded_reply
 from eyas.eval.eval_settings import EvalSettings
 from eyas.eval.report import paired_against_head, summarize, summarize_by_context
+from eyas.eval.sequence_log import head_identity, prompt_source, resumed_prompts, turn_record
 from eyas.eval.speculate import greedy_decode, prefill, replay_greedy, speculative_decode
 from eyas.eval.workloads import WorkloadPrompt, render_turn
 from eyas.target.load import stop_token_ids
@@ -38,12 +42,17 @@ def run_eval(
     drafters: dict,
     settings: EvalSettings,
     progress: bool = True,
+    record_path: str | Path | None = None,
+    identity: dict | None = None,
 ) -> dict:
     """Decode every turn of every prompt plainly and with each drafter.
 
     `drafters`: name -> drafter (`HeadDrafter`, `NgramDrafter`). The drafters named in
     `settings.replay` (token-only ones, greedy only) are walked over the plain output with
     `replay_greedy` instead of decoded: the same acceptance, no decode time, no tok/s.
+    With `record_path`, each prompt's decodings are appended there as it finishes and the
+    prompts already recorded from the same prompt and `identity` (target, heads, settings)
+    are read back instead of decoded (eval/sequence_log.py): a killed eval resumes.
     Returns the report body: plain / per-drafter summaries, per-category and per-turn
     summaries, the lossless check (greedy, decoded drafters), the names replayed.
     """
@@ -63,6 +72,28 @@ def run_eval(
     by_cat: dict[str, dict[str, list]] = {}
     by_turn: dict[int, dict[str, list]] = {}
     mismatches, checked = [], 0
+    if record_path:
+        run = {
+            "target": [model.config._name_or_path, str(model.dtype), str(device)],
+            "settings": {key: sorted(v) if isinstance(v, frozenset) else v for key, v in asdict(s).items()},
+            "drafters": sorted(drafters),
+            **(identity or {}),
+        }
+    sources = [prompt_source(p, run) for p in prompts] if record_path else []
+    done = resumed_prompts(Path(record_path), sources, drafters) if record_path else {}
+
+    def collect(prompt, turn: int, plain, decoded: dict, found: list[dict]) -> None:
+        nonlocal checked
+        plain_traces.append(plain)
+        cat = by_cat.setdefault(prompt.category, {name: [] for name in drafters})
+        per_turn = by_turn.setdefault(turn + 1, {name: [] for name in drafters})
+        for name, tr in decoded.items():
+            traces[name].append(tr)
+            cat[name].append(tr)
+            per_turn[name].append(tr)
+            checked += int(temperature <= 0 and name not in replay)
+        mismatches.extend(found)
+
     # Warm-up outside the timings (first calls allocate and pick kernels).
     warm = render_turn(tokenizer, prompts[0], [])
     greedy_decode(model, warm, 2, eos)
@@ -77,17 +108,24 @@ def run_eval(
         from tqdm import tqdm
 
         bar = tqdm(total=turns_total, desc="eval", unit="turn")
+    log_file = open(record_path, "a", encoding="utf-8") if record_path else None
     seq = 0
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
+        if index in done:  # decoded by an earlier, killed run of this eval
+            for turn, (plain, decoded, found) in enumerate(done[index]):
+                collect(prompt, turn, plain, decoded, found)
+            seq += len(prompt.turns)
+            if bar:
+                bar.update(len(prompt.turns))
+            continue
         replies: list[str] = []
+        record_turns = []
         for turn in range(len(prompt.turns)):
             ids = render_turn(tokenizer, prompt, replies)
             # one prefill of the turn for plain decoding and every drafter reading these states
             shared = prefill(model, ids, shared_aux)
             plain = greedy_decode(model, ids, max_new_tokens, eos, shared)
-            plain_traces.append(plain)
-            cat = by_cat.setdefault(prompt.category, {name: [] for name in drafters})
-            per_turn = by_turn.setdefault(turn + 1, {name: [] for name in drafters})
+            decoded, found = {}, []
             for name, drafter in drafters.items():
                 if name in replay:
                     tr = replay_greedy(model, ids, plain.tokens, drafter, k, max_new_tokens, eos)
@@ -109,16 +147,13 @@ def run_eval(
                         **s.sampling,
                         shared=shared,
                     )
-                traces[name].append(tr)
-                cat[name].append(tr)
-                per_turn[name].append(tr)
+                decoded[name] = tr
                 if temperature <= 0 and name not in replay:
-                    checked += 1
                     pos = first_difference(plain.tokens, tr.tokens)
                     if pos is not None:
                         margin = plain.margins[pos] if pos < len(plain.margins) else float("inf")
                         near_tie = margin <= tol
-                        mismatches.append(
+                        found.append(
                             {
                                 "drafter": name,
                                 "prompt_id": prompt.id,
@@ -132,6 +167,8 @@ def run_eval(
                                 "prompt": prompt.turns[turn][:200],
                             }
                         )
+            collect(prompt, turn, plain, decoded, found)
+            record_turns.append(turn_record(plain, decoded, found))
             # The history as the model wrote it: its own special tokens decoded and parsed
             # (harmony's analysis / final channels), not stripped into run-on text.
             finished = bool(plain.tokens) and plain.tokens[-1] in eos
@@ -141,6 +178,13 @@ def run_eval(
             seq += 1
             if bar:
                 bar.update(1)
+        if log_file:
+            append_record(
+                log_file,
+                {"index": index, "source": sources[index], "prompt_id": prompt.id, "turns": record_turns},
+            )
+    if log_file:
+        log_file.close()
     if bar:
         bar.close()
     return {
@@ -294,7 +338,8 @@ def evaluate(
     """The eval stage for a recipe (DESIGN §6): `recipe.eval`'s workload decoded plainly,
     by the head (default run_dir/export when it exists), by every `compare` head
     ({name: head}) and by the n-gram baseline; the report is written under `out` (default
-    run_dir/eval). Returns (report, {"json", "markdown", "png": path}).
+    run_dir/eval) with the per-prompt log a killed eval resumes from (eval/sequence_log.py).
+    Returns (report, {"json", "markdown", "png", "sequences": path}).
 
     Heads are directories or Hub ids. `target` may be passed in (a `LoadedTarget`);
     otherwise it is loaded from `recipe.target` at `eval.dtype`, after the workload and
@@ -330,7 +375,23 @@ def evaluate(
     if ev.baseline == "ngram":
         drafters["ngram"] = NgramDrafter(ev.ngram_min, ev.ngram_max)
     settings = EvalSettings.from_section(ev, _replayed(drafters, ev.decode_baseline), tie_tolerance)
-    body = run_eval(target.model, target.tokenizer, prompts, drafters, settings, progress=progress)
+    out = Path(out or recipe.paths.eval)
+    out.mkdir(parents=True, exist_ok=True)
+    heads = {"head": head, **compare} if head is not None else {}
+    identity = {
+        "heads": {name: head_identity(d) for name, d in heads.items()},
+        "ngram": [ev.ngram_min, ev.ngram_max] if "ngram" in drafters else None,
+    }
+    body = run_eval(
+        target.model,
+        target.tokenizer,
+        prompts,
+        drafters,
+        settings,
+        progress=progress,
+        record_path=out / RunPaths.EVAL_SEQUENCES,
+        identity=identity,
+    )
     report = {
         "target": target.hub_id,
         "head": head,
@@ -358,4 +419,4 @@ def evaluate(
     if head_sum:  # flat copies for the model card
         report.update({key: head_sum.get(key) for key in ("tau", "tar", "per_position_acceptance")})
     report["warnings"] = verdicts(report)
-    return report, write_outputs(report, out or recipe.paths.eval)
+    return report, {**write_outputs(report, out), "sequences": str(out / RunPaths.EVAL_SEQUENCES)}

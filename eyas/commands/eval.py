@@ -4,6 +4,8 @@ baseline) against the target on held-out prompts.
 Reports tau (tokens per target forward), per-position acceptance, TAR, tokens/s of
 speculative vs plain greedy decoding measured on this machine, and checks that greedy
 speculative output equals plain greedy output token for token (exit 1 when it does not).
+Each decoded prompt is logged (eval_sequences.jsonl beside the report): a killed eval, run
+again with the same arguments, decodes only the prompts it had not finished.
 
   eyas eval --target smollm2-135m --head runs/x/export --workload mtbench --k 5 --max-prompts 8
   eyas eval --recipe recipes/smollm2-135m-eagle3.yaml        # defaults: eval section, run_dir/export
@@ -135,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr)
     else:
         print(format_report(report))
-        print(f"wrote {paths['json']}, {paths['markdown']}, {paths['png']}")
+        print(f"wrote {paths['json']}, {paths['markdown']}, {paths['png']}, {paths['sequences']}")
     if report["lossless"]["passed"] is False:  # None: reduced precision, a rate instead
         raise CommandError("FAILED: speculative greedy output differs from plain greedy decoding")
     return 0
