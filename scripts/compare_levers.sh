@@ -21,9 +21,10 @@
 #   (EAGLE-3 train.epochs, 4), LEVERS_PE_EPOCHS (P-EAGLE, 5), LEVERS_PROMPTS
 #   (eval.max_prompts, 80), LEVERS_STEPS (train.max_steps; unset: the epochs decide; a
 #   smoke sets it), LEVERS_TOKENS (eval.max_new_tokens, 96).
-# Each run's report: $LEVERS_DIR/<lever>/eval-T0.json (and eval-T1.json for tv, lk and
-# the baseline); the summary table at the end reads them (also rerunnable on its own:
-# `bash scripts/compare_levers.sh summary`). Reruns resume / skip what is done.
+# The report: $LEVERS_DIR/eval-T0.json, every lever's head in one eval beside the first
+# lever's (their differences paired by sequence), and eval-T1.json for the baseline, tv
+# and lk; the summary table at the end reads them (also on its own: `bash
+# scripts/compare_levers.sh summary`). Reruns resume / skip what is done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${LEVERS_DIR:-runs/levers}
@@ -59,22 +60,24 @@ lever_args() {  # recipe file, then the overrides of lever $1
 }
 
 summary() {
-  .venv/bin/python - "$DIR" $LEVERS <<'EOF'
+  .venv/bin/python - "$DIR" <<'EOF'
 import json, sys
 from pathlib import Path
-root, levers = Path(sys.argv[1]), sys.argv[2:]
-print(f"{'lever':10} {'T':>3} {'tau':>6} {'ngram':>6} {'TAR':>6}  per-position acceptance   lossless")
-for lever in levers:
-    for temp in ("T0", "T1"):
-        path = root / lever / f"eval-{temp}.json"
-        if not path.is_file():
-            continue
-        report = json.loads(path.read_text())
-        head, ngram = report["drafters"].get("head", {}), report["drafters"].get("ngram", {})
-        acc = " ".join("-" if a is None else f"{a:.2f}" for a in head.get("per_position_acceptance") or [])
-        fmt = lambda v: "-" if v is None else f"{v:.2f}"
-        print(f"{lever:10} {temp[1]:>3} {fmt(head.get('tau')):>6} {fmt(ngram.get('tau')):>6} "
-              f"{fmt(head.get('tar')):>6}  {acc:24} {report['lossless'].get('passed')}")
+root = Path(sys.argv[1])
+print(f"{'lever':10} {'T':>3} {'tau':>6} {'±':>5} {'vs first':>15} {'TAR':>6}  per-position acceptance   lossless")
+for temp in ("T0", "T1"):
+    path = root / f"eval-{temp}.json"
+    if not path.is_file():
+        continue
+    report = json.loads(path.read_text())
+    names = {"head": report["lever_names"][0]}  # the compared heads carry their lever's name
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"
+    for name, d in report["drafters"].items():
+        acc = " ".join("-" if a is None else f"{a:.2f}" for a in d.get("per_position_acceptance") or [])
+        paired = report["paired_vs_head"].get(name)
+        vs = f"{paired['difference']:+.3f}±{paired['se']:.3f}" if paired else ""
+        print(f"{names.get(name, name):10} {temp[1]:>3} {fmt(d.get('tau')):>6} {fmt(d.get('tau_se')):>5} "
+              f"{vs:>15} {fmt(d.get('tar')):>6}  {acc:24} {report['lossless'].get('passed')}")
 EOF
 }
 
@@ -97,15 +100,27 @@ for lever in $LEVERS; do
   echo "=== $lever: ${spec[*]:1}"
   "${EYAS[@]}" train -r "$recipe" --no-progress "${over[@]}"
   "${EYAS[@]}" export -r "$recipe" "${over[@]}"
-  temps=(0)
-  case $lever in baseline|tv|lk) temps=(0 1) ;; esac
-  for t in "${temps[@]}"; do
-    json=$DIR/$lever/eval-T$t.json
-    [ -s "$json" ] && continue  # evaluated by an earlier run of this script
-    "${EYAS[@]}" eval -r "$recipe" --json --no-progress --temperature "$t" --max-prompts "$PROMPTS" \
-      --max-new-tokens "$TOKENS" --out "$DIR/$lever/eval-T$t" "${over[@]}" > "$json.part"
-    mv "$json.part" "$json"
+done
+
+# One eval per temperature, every lever's head decoded on the same prompts beside the
+# first one's, so each difference is paired sequence by sequence (paired_vs_head). A
+# killed eval run again resumes from its eval_sequences.jsonl.
+for t in 0 1; do
+  heads=()
+  for lever in $LEVERS; do
+    case $t:$lever in 0:*|1:baseline|1:tv|1:lk) heads+=("$lever") ;; esac
   done
+  [ ${#heads[@]} -gt 0 ] || continue
+  json=$DIR/eval-T$t.json
+  [ -s "$json" ] && continue  # evaluated by an earlier run of this script
+  args=(--head "$DIR/${heads[0]}/export")
+  for lever in "${heads[@]:1}"; do args+=(--compare "$lever=$DIR/$lever/export"); done
+  "${EYAS[@]}" eval -r "$E3" --json --no-progress --temperature "$t" --max-prompts "$PROMPTS" \
+    --max-new-tokens "$TOKENS" --out "$DIR/eval-T$t" "${args[@]}" "run_dir=$DIR/data" "${DATA[@]}" > "$json.part"
+  # the lever names in the order decoded (the head first), for the summary
+  .venv/bin/python -c 'import json, sys; p = sys.argv[1]; r = json.load(open(p)); r["lever_names"] = sys.argv[2:]; json.dump(r, open(p, "w"), indent=2)' \
+    "$json.part" "${heads[@]}"
+  mv "$json.part" "$json"
 done
 summary
 }
