@@ -35,12 +35,14 @@ def read_records(path: Path) -> tuple[list[dict], int]:
     return records, bad
 
 
-def append_record(f, record: dict) -> None:
-    """One record as one line of the open log `f`, flushed and fsynced: a kill after this
-    returns keeps it."""
-    f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
+def append_record(path: Path, record: dict) -> None:
+    """One record appended as one line of the log at `path`, flushed and fsynced: a kill
+    after this returns keeps it. (Opened per record: for logs written every few seconds
+    at most, not per token.)"""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def digest(value) -> str:

@@ -108,7 +108,6 @@ def run_eval(
         from tqdm import tqdm
 
         bar = tqdm(total=turns_total, desc="eval", unit="turn")
-    log_file = open(record_path, "a", encoding="utf-8") if record_path else None
     seq = 0
     for index, prompt in enumerate(prompts):
         if index in done:  # decoded by an earlier, killed run of this eval
@@ -178,13 +177,11 @@ def run_eval(
             seq += 1
             if bar:
                 bar.update(1)
-        if log_file:
+        if record_path:
             append_record(
-                log_file,
+                record_path,
                 {"index": index, "source": sources[index], "prompt_id": prompt.id, "turns": record_turns},
             )
-    if log_file:
-        log_file.close()
     if bar:
         bar.close()
     return {
