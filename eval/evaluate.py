@@ -79,7 +79,10 @@ def run_eval(
             "drafters": sorted(drafters),
             **(identity or {}),
         }
-    sources = [prompt_source(p, run) for p in prompts] if record_path else []
+    sources = []
+    if record_path:
+        firsts = [sum(len(q.turns) for q in prompts[:i]) for i in range(len(prompts))]
+        sources = [prompt_source(p, run, f if temperature > 0 else None) for p, f in zip(prompts, firsts)]
     done = resumed_prompts(Path(record_path), sources, drafters) if record_path else {}
 
     def collect(prompt, turn: int, plain, decoded: dict, found: list[dict]) -> None:

@@ -30,10 +30,14 @@ def head_identity(head_dir: str | Path) -> dict:
     }
 
 
-def prompt_source(prompt, identity: dict) -> str:
+def prompt_source(prompt, identity: dict, first_sequence: int | None = None) -> str:
     """What a prompt's record was decoded from: the prompt itself and the run's identity
-    (target, heads, settings)."""
-    return digest([prompt.id, prompt.category, prompt.turns, identity])
+    (target, heads, settings). Sampled decoding seeds each sequence by its place in the
+    run, so there `first_sequence` (the number of turns before the prompt's) is part of
+    it; greedy decoding is the same wherever the prompt comes, so a record is reused by
+    another subset of the workload holding the same prompt."""
+    key = [prompt.id, prompt.category, prompt.turns, identity]
+    return digest(key if first_sequence is None else [*key, first_sequence])
 
 
 def turn_record(plain: DecodeTrace, decoded: dict[str, DecodeTrace], mismatches: list[dict]) -> dict:
@@ -54,28 +58,31 @@ def turn_from_record(rec: dict) -> tuple[DecodeTrace, dict[str, DecodeTrace], li
 
 def resumed_prompts(path: Path, sources: list[str], drafters) -> dict[int, list[tuple]]:
     """{prompt index: its turns (plain, {drafter: trace}, mismatches)} for the records of
-    `path` made from these prompts and settings. The others are reported, dropped from the
+    `path` made from these prompts and settings (matched by `prompt_source`, wherever the
+    prompt stood in the run that wrote them). The others are reported, dropped from the
     file (the log describes the report beside it) and decoded again."""
     records, bad = read_records(path)
+    index_of = {source: i for i, source in enumerate(sources)}
     done, kept, stale = {}, {}, set()
     for rec in records:
         try:
-            i = int(rec["index"])
-            if not (0 <= i < len(sources) and rec.get("source") == sources[i]):
-                stale.add(i)
+            i = index_of.get(rec.get("source"))
+            if i is None:
+                stale.add(rec.get("source"))
                 continue
             turns = [turn_from_record(t) for t in rec["turns"]]
             if any(set(d) != set(drafters) for _, d, _ in turns):
                 raise KeyError("drafters")
-            done[i], kept[i] = turns, rec
+            done[i] = turns
+            kept[i] = {**rec, "index": i}
         except (KeyError, TypeError, ValueError):
             bad += 1
-    stale -= set(done)
     if bad:
         log.warning("%s: %d lines are not records of a decoded prompt; decoding those again", path, bad)
     if stale:
         log.warning(
-            "%s: %d prompts were decoded with another workload, target, head or setting; decoding them again",
+            "%s: dropping %d records of prompts or settings (target, heads, K, temperature ...) "
+            "this eval does not have; its prompts among them are decoded again",
             path,
             len(stale),
         )

@@ -117,6 +117,19 @@ def test_records_of_other_settings_or_a_line_cut_by_a_kill_are_decoded_again(
     with caplog.at_level("WARNING"):
         report, _ = evaluate(other, out=tmp_path / "e", progress=False)
     assert calls[0] == 1 + 4 and report["k"] == 2
-    assert "2 prompts were decoded with another" in caplog.text and "eval_sequences.jsonl" in caplog.text
+    assert "dropping 2 records" in caplog.text and "eval_sequences.jsonl" in caplog.text
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["index"] for r in records] == [0, 1]  # the k = 3 records are gone from the log
+
+
+def test_a_larger_subset_of_the_workload_reuses_the_greedy_prompts_it_shares(
+    tmp_path, tiny_llama_dir, monkeypatch
+):
+    recipe = _recipe(tmp_path, tiny_llama_dir, k=3, max_prompts=2, decode_baseline=True)
+    evaluate(recipe, out=tmp_path / "e", progress=False)  # MT-bench questions 0 and 40
+    more = recipe.model_copy(update={"eval": recipe.eval.model_copy(update={"max_prompts": 4})})
+    calls = _count_plain_decodes(monkeypatch)
+    report, _ = evaluate(more, out=tmp_path / "e", progress=False)  # 0, 20, 40 and 60
+    assert calls[0] == 1 + 2 * 2 and report["num_prompts"] == 4
+    fresh, _ = evaluate(more, out=tmp_path / "fresh", progress=False)
+    _same_results(report, fresh)
