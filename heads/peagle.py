@@ -150,10 +150,11 @@ class PEagleTraining(AlgorithmSection):
     # sparsely kept deep ones; "depth": each depth's mean counts the same, so a warm-started
     # head spends its training on the depths it cannot draft yet.
     loss_weighting: Literal["element", "depth"] = "element"
-    # Deeper elements (d >= 1) are drawn only where they or a deeper element of their chain
-    # carry a label: an element past the loss mask's end, or one whose chain lies in the
-    # prompt, adds no loss and no key any labelled element reads (DESIGN §4).
-    cod_labelled_only: bool = True
+    # True: deeper elements (d >= 1) are drawn only where they or a deeper element of their
+    # chain carry a label (an element whose chain lies in the prompt adds no loss and no key
+    # any labelled element reads; DESIGN §4). Off by default: it measured no better than
+    # drawing at every position (docs/experiments.md, 2026-12-06).
+    cod_labelled_only: bool = False
 
     ACTIVATIONS = "P-EAGLE COD activations"
 

@@ -91,8 +91,18 @@ def test_segments_give_the_unsegmented_loss_and_gradients():
         )
 
 
-@pytest.mark.parametrize("seg,loss", [(None, "kl"), (6, "kl"), (None, "tv"), (6, "tv"), (None, "lk")])
-def test_loss_equals_the_mean_loss_over_every_labelled_element(seg, loss):
+@pytest.mark.parametrize(
+    "seg,loss,labelled",
+    [
+        (None, "kl", False),
+        (6, "kl", False),
+        (None, "tv", False),
+        (6, "tv", False),
+        (None, "lk", False),
+        (6, "kl", True),
+    ],
+)
+def test_loss_equals_the_mean_loss_over_every_labelled_element(seg, loss, labelled):
     """The loss runs the LM head on the labelled elements only, in padded row and element
     counts; it must equal `train.loss` (soft cross-entropy, total variation, or their LK
     blend with one weight per depth) of the full logits of the unpadded elements, and so
@@ -103,13 +113,26 @@ def test_loss_equals_the_mean_loss_over_every_labelled_element(seg, loss):
     cfg = TrainSection(
         loss=loss,
         lk_eta=1.5,
-        peagle={"num_depths": 4, "cod_r": 0.6, "cod_r_min": 0.1, "segment_length": seg},
+        peagle={
+            "num_depths": 4,
+            "cod_r": 0.6,
+            "cod_r_min": 0.1,
+            "segment_length": seg,
+            "cod_labelled_only": labelled,
+        },
     )
     stats = peagle_loss(head, batch, labels, cfg, torch.Generator().manual_seed(3))
     stats.loss.backward()
     fast = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
     head.zero_grad()
-    grid = cod_grid(batch["attention_mask"], 4, 0.6, 0.1, torch.Generator().manual_seed(3), labels.valid)
+    grid = cod_grid(
+        batch["attention_mask"],
+        4,
+        0.6,
+        0.1,
+        torch.Generator().manual_seed(3),
+        labels.valid if labelled else None,
+    )
     el = compact(grid, 19)
     slot, valid = element_label_slots(el, labels)
     target = labels.logits.gather(1, slot[..., None].expand(-1, -1, V))
