@@ -13,8 +13,8 @@
 #   tv, lk     train.loss=tv / lk (acceptance-targeted losses; also evaluated at T = 1)
 #   muon       train.optimizer=muon (Muon for the hidden matrices, AdamW for the rest)
 # P-EAGLE (recipes/smollm2-135m-peagle.yaml, started from this script's baseline head):
-#   pe1-all    1 layer, COD drawn at every position (as before issue 53)
-#   pe1        1 layer, COD drawn only on labelled chains (the default now)
+#   pe1        1 layer, COD drawn at every position (the recipe)
+#   pe1-lab    1 layer, COD drawn only on labelled chains
 #   pe2, pe4   2 / 4 layers (the added ones start as the identity)
 # Environment (pinned so the runs compare; the defaults are the real measurement):
 #   LEVERS_DIR (runs/levers), LEVERS_SAMPLES (data.max_samples, 5400), LEVERS_EPOCHS
@@ -33,7 +33,7 @@ EPOCHS=${LEVERS_EPOCHS:-4}
 PE_EPOCHS=${LEVERS_PE_EPOCHS:-5}
 PROMPTS=${LEVERS_PROMPTS:-80}
 TOKENS=${LEVERS_TOKENS:-96}
-LEVERS=${LEVERS:-baseline normout tv lk muon pe1-all pe1 pe2 pe4}
+LEVERS=${LEVERS:-baseline normout tv lk muon pe1 pe1-lab pe2 pe4}
 EYAS=(.venv/bin/eyas)
 E3=recipes/smollm2-135m-eagle3.yaml
 PE=recipes/smollm2-135m-peagle.yaml
@@ -51,8 +51,8 @@ lever_args() {  # recipe file, then the overrides of lever $1
     tv) echo "$E3 train.loss=tv" ;;
     lk) echo "$E3 train.loss=lk" ;;
     muon) echo "$E3 train.optimizer=muon" ;;
-    pe1-all) echo "$PE train.peagle.cod_labelled_only=false" ;;
     pe1) echo "$PE" ;;
+    pe1-lab) echo "$PE train.peagle.cod_labelled_only=true" ;;
     pe2) echo "$PE head.num_layers=2" ;;
     pe4) echo "$PE head.num_layers=4" ;;
     *) echo "unknown lever $1" >&2; return 1 ;;
