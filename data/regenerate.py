@@ -179,7 +179,8 @@ def regenerate(
     # max_turns) or other settings (another prompt cap, reply length, sampling, target):
     # generated again, and the later record wins on the next read
     done = {i: r for i, r in records.items() if i < len(conversations) and r["source"] == sources[i]}
-    stale = sum(1 for i in records if i not in done)
+    # records past this run's conversations stay for a larger one (the budget's probe writes some)
+    stale = sum(1 for i in records if i < len(conversations) and i not in done)
     if stale:
         log.warning(
             "%s: %d records were generated from other conversations or settings than these; "

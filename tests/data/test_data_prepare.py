@@ -118,7 +118,7 @@ def test_nothing_usable_is_an_error(tiny_llama_dir, tmp_path):
     )
 
 
-def test_regeneration_turn_by_turn_and_resume(tiny_llama_dir, tmp_path):
+def test_regeneration_turn_by_turn_and_resume(tiny_llama_dir, tmp_path, caplog):
     from eyas.data.regenerate import regenerate
     from eyas.target.load import load_target
 
@@ -151,6 +151,10 @@ def test_regeneration_turn_by_turn_and_resume(tiny_llama_dir, tmp_path):
     assert resumed == full
     records = [json.loads(line) for line in out.read_text().splitlines()]  # the cut line was removed
     assert sorted(r["index"] for r in records) == list(range(5))
+    # fewer conversations over the same file: the records past them are not called stale
+    with caplog.at_level("WARNING"):
+        assert regenerate(convs[:2], target.tokenizer, out, settings, model=model) == full[:2]
+    assert "generated from other" not in caplog.text
     # The same file read for other conversations (another max_samples, dedupe, ...):
     # records generated from other prompts are generated again, not paired with these.
     shifted = convs[1:] + [[{"role": "user", "content": "new"}, {"role": "assistant", "content": "old"}]]
