@@ -16,7 +16,7 @@ class EvalSettings:
     temperature: float = 0.0
     seed: int = 0  # the sampling generator of each sequence derives from it
     # A greedy mismatch where the target's top two logits are this close is a near tie;
-    # None: the dtype's own (eval/evaluate.py::TIE_TOLERANCE).
+    # None: the dtype's own (eval/lossless.py::TIE_TOLERANCE).
     tie_tolerance: float | None = None
     # Token-only drafters walked over the plain output instead of decoded (greedy only).
     replay: frozenset[str] = frozenset()

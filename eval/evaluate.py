@@ -14,6 +14,7 @@ from eyas.core.record_log import append_record
 from eyas.core.run_paths import RunPaths
 from eyas.data.reasoning import decoded_reply
 from eyas.eval.eval_settings import EvalSettings
+from eyas.eval.lossless import EXACT_DTYPES, TIE_TOLERANCE, lossless_verdict, mismatch_record
 from eyas.eval.report import paired_against_head, summarize, summarize_by_context
 from eyas.eval.sequence_log import head_identity, prompt_source, resumed_prompts, turn_record
 from eyas.eval.speculate import greedy_decode, prefill, replay_greedy, speculative_decode
@@ -21,18 +22,6 @@ from eyas.eval.workloads import WorkloadPrompt, render_turn
 from eyas.target.load import stop_token_ids
 
 log = logging.getLogger(__name__)
-
-# A greedy mismatch where the target's own top-2 logits are this close is rounding noise
-# of the verify pass (K+1 positions) against the one-token pass, not a drafting bug.
-TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 0.02, torch.bfloat16: 0.15}
-EXACT_DTYPES = (torch.float32, torch.float64)  # where the verify and one-token passes agree
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def run_eval(
@@ -151,24 +140,7 @@ def run_eval(
                     )
                 decoded[name] = tr
                 if temperature <= 0 and name not in replay:
-                    pos = first_difference(plain.tokens, tr.tokens)
-                    if pos is not None:
-                        margin = plain.margins[pos] if pos < len(plain.margins) else float("inf")
-                        near_tie = margin <= tol
-                        found.append(
-                            {
-                                "drafter": name,
-                                "prompt_id": prompt.id,
-                                "turn": turn + 1,
-                                "position": pos,
-                                "expected": plain.tokens[pos] if pos < len(plain.tokens) else None,
-                                "got": tr.tokens[pos] if pos < len(tr.tokens) else None,
-                                "margin": margin,
-                                "near_tie": near_tie,
-                                "cause": mismatch_cause(near_tie, exact),
-                                "prompt": prompt.turns[turn][:200],
-                            }
-                        )
+                    found.extend(mismatch_record(plain, tr, name, prompt, turn, tol, exact))
             collect(prompt, turn, plain, decoded, found)
             record_turns.append(turn_record(plain, decoded, found))
             # The history as the model wrote it: its own special tokens decoded and parsed
@@ -204,37 +176,6 @@ def run_eval(
         "per_context": {n: summarize_by_context(t, k, settings.context_buckets) for n, t in traces.items()},
         "replayed": sorted(replay),
         "lossless": lossless_verdict(mismatches, checked, tol, exact, model.dtype),
-    }
-
-
-def mismatch_cause(near_tie: bool, exact: bool) -> str:
-    """Why a greedy speculative output left plain greedy decoding at one token."""
-    if near_tie:
-        return "one-token numerics: the target's top two logits were within the tolerance"
-    if not exact:
-        return (
-            "verify-pass numerics: the K+1-position pass and the one-token pass round differently in "
-            "reduced precision (a bf16 MoE also flips routes)"
-        )
-    return "drafting: the speculative output is not the target's greedy output"
-
-
-def lossless_verdict(mismatches: list[dict], checked: int, tol: float, exact: bool, dtype) -> dict:
-    """The lossless check. In float32 (`exact`) it passes or fails: only near ties may
-    differ. In reduced precision the two passes round differently, so a good head differs
-    too; there it is a mismatch rate with its causes, `passed` None (undecided) when a
-    mismatch is beyond the tolerance, instead of a FAILED no head could avoid."""
-    beyond = [m for m in mismatches if not m["near_tie"]]
-    sequences = len({(m["drafter"], m["prompt_id"], m["turn"]) for m in mismatches})
-    return {
-        "checked": checked,
-        "dtype": str(dtype).replace("torch.", ""),
-        "exact": exact,
-        "tie_tolerance": tol,
-        "mismatches": mismatches,
-        "mismatch_rate": sequences / checked if checked else 0.0,
-        "near_ties": len(mismatches) - len(beyond),
-        "passed": True if not beyond else (False if exact else None),
     }
 
 

@@ -5,7 +5,8 @@ keeps the model's own special tokens (harmony channels)."""
 import torch
 
 from eyas.eval.eval_settings import EvalSettings
-from eyas.eval.evaluate import eval_dtype, lossless_verdict, run_eval
+from eyas.eval.evaluate import eval_dtype, run_eval
+from eyas.eval.lossless import lossless_verdict
 from eyas.eval.ngram import NgramDrafter
 from eyas.eval.report import format_report, lossless_line
 from eyas.eval.workloads import WorkloadPrompt, render_turn
