@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -70,7 +71,7 @@ def run_eval(
         }
     sources = []
     if record_path:
-        firsts = [sum(len(q.turns) for q in prompts[:i]) for i in range(len(prompts))]
+        firsts = list(accumulate((len(q.turns) for q in prompts), initial=0))  # turns before each
         sources = [prompt_source(p, run, f if temperature > 0 else None) for p, f in zip(prompts, firsts)]
     done = resumed_prompts(Path(record_path), sources, drafters) if record_path else {}
 
