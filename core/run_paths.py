@@ -25,7 +25,7 @@ class RunPaths:
     REGENERATED = "regenerated.jsonl"
     ENGINE_LOG = "engine.log"
     # In the run directory.
-    RECIPE = "recipe.yaml"  # the recipe the run trained with (train/loop.py)
+    RECIPE = "recipe.yaml"  # the recipe the run trained with (train/run_setup.py)
     METRICS = "metrics.jsonl"  # train.logger: jsonl
     BUDGET = "budget.json"  # `eyas budget`
     # In the eval directory.
