@@ -34,9 +34,9 @@ FRAGMENTATION = 0.05
 # logit and TTT step (bf16 logits + their float32 log-softmax).
 LAYER_ACTIVATION_BYTES = 34
 LOGIT_BYTES = 6
-# Bytes per head parameter under mixed precision: float32 weights, gradients and AdamW's
-# two moments.
-PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
+# Bytes per head parameter under mixed precision: float32 weights, gradients, AdamW's two
+# moments, Muon's one momentum buffer (train.optimizer=muon: the hidden matrices only).
+PARAM_BYTES, GRAD_BYTES, ADAM_BYTES, MUON_BYTES = 4, 4, 8, 4
 LM_HEAD_CHUNK_TOKENS = 4096  # train/losses.py target_labels' chunk
 # vLLM: weights and KV room share gpu_memory_utilization of each GPU; its activations and
 # CUDA graphs take about this much of it.
@@ -153,7 +153,8 @@ def _head_bytes(recipe, size, tokens: int, world: int, strategy: str) -> tuple[d
     hd = recipe.head.hidden_size or size.hidden_size
     vd = min(recipe.head.draft_vocab_size, size.vocab_size)
     params = head_size(size, alg, recipe.head.num_layers, vd).params
-    state = params * (GRAD_BYTES + ADAM_BYTES)
+    lm_head = vd * size.hidden_size
+    state = params * GRAD_BYTES + _optimizer_bytes(recipe.train.optimizer, params, lm_head)
     weights = params * PARAM_BYTES
     if strategy in ("zero2",):
         state /= world
@@ -161,7 +162,7 @@ def _head_bytes(recipe, size, tokens: int, world: int, strategy: str) -> tuple[d
         state, weights = state / world, weights / world
     out = {
         "head weights (float32)": weights,
-        "head gradients + AdamW state": state,
+        f"head gradients + {_OPTIMIZER_NAMES[recipe.train.optimizer]} state": state,
         "head frozen embedding": size.vocab_size * size.hidden_size * PARAM_BYTES,
     }
     sec = recipe.train.section(alg)
@@ -171,6 +172,18 @@ def _head_bytes(recipe, size, tokens: int, world: int, strategy: str) -> tuple[d
         * (LAYER_ACTIVATION_BYTES * hd * recipe.head.num_layers + LOGIT_BYTES * vd)
     )
     return out, params
+
+
+_OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon + AdamW"}
+
+
+def _optimizer_bytes(optimizer: str, params: float, lm_head: float) -> float:
+    """The optimizer's state over the head's `params`: under Muon the LM head (and the
+    norms, too small to count) stays with AdamW (train/optimizers.py), every other matrix
+    keeps Muon's single buffer."""
+    if optimizer == "muon":
+        return lm_head * ADAM_BYTES + (params - lm_head) * MUON_BYTES
+    return params * ADAM_BYTES
 
 
 def _micro_batch_tokens(recipe) -> tuple[int, int]:

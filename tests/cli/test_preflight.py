@@ -165,3 +165,33 @@ def test_engine_features_plan_no_target_copy_per_rank_and_the_engine_beside_the_
     assert "target weights / TP" in next(s for s in beside.stages if s.stage == "engine").per_rank
     assert tr.budget < 0.11 * train.budget and not tr.fits
     assert "data.capture.server_url" in tr.knob
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_head_optimizer_state_is_sized_as_the_trainer_builds_it(optimizer):
+    """The GPT-OSS-20B head built on the meta device: gradients for every trainable weight,
+    AdamW's two moments, or under Muon one buffer per hidden matrix and AdamW's two for the
+    LM head (train/optimizers.py decides which)."""
+    import torch
+    from transformers import AutoConfig
+
+    from eyas.heads.algorithms import build_head
+    from eyas.target.shapes import target_shape
+    from eyas.train.build import head_config_for
+    from eyas.train.optimizers import muon_parameter
+
+    recipe = load_recipe(ROOT / "recipes" / "gpt-oss-20b-eagle3.yaml", [f"train.optimizer={optimizer}"])
+    config = AutoConfig.for_model(**target_shape(recipe.target.name_or_path).config)
+    head_cfg = head_config_for(recipe, config)
+    with torch.device("meta"):
+        head = build_head(head_cfg)
+    trained = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
+    if optimizer == "muon":
+        moments = sum(p.numel() * (4 if muon_parameter(n, p) else 8) for n, p in trained)
+    else:
+        moments = sum(p.numel() * 8 for _, p in trained)
+    built = sum(p.numel() * 4 for _, p in trained) + moments
+
+    train = next(s for s in preflight(recipe, "H100-80", 8).stages if s.stage == "train")
+    (sized,) = [v for k, v in train.per_rank.items() if k.startswith("head gradients")]
+    assert sized == pytest.approx(built, rel=0.01)
