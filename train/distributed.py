@@ -1,7 +1,8 @@
 """The accelerate / DeepSpeed / FSDP plumbing of the training loop (DESIGN §2.4, §2.8): which
 device, process group and mixed precision a run gets, the DeepSpeed JSON's "auto" fields,
-the FSDP2 sharding eyas applies itself, the collectives the loop needs, and reading the
-trained head back out of a sharded engine.
+the FSDP2 sharding eyas applies itself, the collectives the loop needs, reading the
+trained head back out of a sharded engine, and a warning for the build lock that would
+hang DeepSpeed's first op build.
 
 `train/loop.py` calls these and stays a plain recipe; nothing here decides what is trained.
 """
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -35,10 +38,50 @@ def fsdp_requested() -> bool:
     return any(os.environ.get(k, "false").lower() == "true" for k in ("ACCELERATE_USE_FSDP", "EYAS_FSDP"))
 
 
+# A torch-extension build lock older than this is taken for one a killed build left behind.
+STALE_LOCK_SECONDS = 600
+
+
+def stale_extension_locks(now: float | None = None) -> list[tuple[Path, float]]:
+    """(lock file, age in seconds) of each torch-extension build lock older than
+    STALE_LOCK_SECONDS. torch's JIT build (DeepSpeed's ops on first use, e.g. its CPU
+    `shm_comm`) waits, silently and forever, while its directory holds a `lock`; a build
+    killed midway (Ctrl-C during a first launch) leaves one."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    now = time.time() if now is None else now
+    found = []
+    for lock in sorted({*root.glob("*/lock"), *root.glob("*/*/lock")}):
+        try:
+            age = now - lock.stat().st_mtime
+        except FileNotFoundError:  # a build just finished
+            continue
+        if age > STALE_LOCK_SECONDS:
+            found.append((lock, age))
+    return found
+
+
+def warn_stale_extension_locks() -> None:
+    """Name each stale torch-extension lock before DeepSpeed builds its ops, so a launch
+    that then hangs has said why."""
+    for lock, age in stale_extension_locks():
+        log.warning(
+            "%s is a torch-extension build lock %.0f min old: a build of that op waits on it "
+            "forever (DeepSpeed builds its ops on first use). A build killed midway leaves it; "
+            "if no build is running, delete it",
+            lock,
+            age / 60,
+        )
+
+
 def make_accelerator(recipe, target=None):
     """The run's `Accelerator`: gradient accumulation from the recipe, the mixed precision
     for its device, and a process group that works without a GPU."""
     from accelerate import Accelerator
+
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and os.environ.get("LOCAL_RANK", "0") == "0":
+        warn_stale_extension_locks()
 
     if fsdp_requested():
         # accelerate 1.16 applies its FSDP plugin only on GPUs (on CPU processes it silently

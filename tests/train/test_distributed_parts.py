@@ -88,3 +88,39 @@ def test_a_resumed_tensorboard_run_hides_the_steps_logged_after_the_checkpoint(t
     events = acc.Scalars("train/loss")
     assert [e.step for e in events] == list(range(1, 9))
     assert [e.value for e in events][4:] == [15.0, 16.0, 17.0, 18.0]
+
+
+def test_a_build_lock_a_killed_build_left_is_named_before_deepspeed_builds(tmp_path, monkeypatch, caplog):
+    """torch's JIT build waits forever on a `lock` left in the extension's directory; a
+    DeepSpeed launch names each one old enough to be a killed build's, and not a fresh one
+    (another rank building right now)."""
+    import logging
+    import os
+    import time
+
+    from eyas.train.distributed import STALE_LOCK_SECONDS, make_accelerator, stale_extension_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    old = tmp_path / "deepspeed_shm_comm" / "lock"
+    fresh = tmp_path / "py311_cpu" / "other_op" / "lock"  # torch's default layout, one level deeper
+    for lock in (old, fresh):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    stamp = time.time() - STALE_LOCK_SECONDS - 60
+    os.utime(old, (stamp, stamp))
+    assert [p for p, _ in stale_extension_locks()] == [old]
+    os.utime(fresh, (stamp, stamp))
+    assert {p for p, _ in stale_extension_locks()} == {old, fresh}
+
+    class Recipe:  # make_accelerator stops at the first thing it reads from the recipe
+        @property
+        def target(self):
+            raise RuntimeError("stop")
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with (
+        caplog.at_level(logging.WARNING, logger="eyas.train.distributed"),
+        pytest.raises(RuntimeError, match="stop"),
+    ):
+        make_accelerator(Recipe())
+    assert str(old) in caplog.text and "delete it" in caplog.text
