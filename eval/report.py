@@ -123,7 +123,7 @@ def summarize(traces, k: int) -> dict:
 
 def verdicts(report: dict) -> list[str]:
     """Warnings a user must see: a low first-token acceptance, a head that loses to prompt
-    lookup, lossless failures."""
+    lookup, a head slower than plain here (what that tok/s measures), lossless failures."""
     lines = []
     drafters = report.get("drafters", {})
     head, ngram = drafters.get("head"), drafters.get("ngram")
@@ -146,6 +146,7 @@ def verdicts(report: dict) -> list[str]:
             f"{ngram['tau']:.2f}): "
             "not worth serving; use vLLM's n-gram drafter instead"
         )
+    lines += _slower_than_plain(report)
     lossless = report.get("lossless", {})
     for m in lossless.get("mismatches", []):
         kind = (
@@ -159,6 +160,25 @@ def verdicts(report: dict) -> list[str]:
             f"{m['margin']:.4f})"
         )
     return lines
+
+
+def _slower_than_plain(report: dict) -> list[str]:
+    """A drafter that accepts tokens (tau > 1) yet decodes slower than plain here: say what
+    this eval's tok/s measures, so it is not read as the speed the head gives when served."""
+    plain = (report.get("plain") or {}).get("tokens_per_s")
+    slow = [
+        name
+        for name, s in report.get("drafters", {}).items()
+        if plain and s.get("tokens_per_s") and (s.get("tau") or 0) > 1 and s["tokens_per_s"] < plain
+    ]
+    if not slow:
+        return []
+    return [
+        f"note: {', '.join(slow)} decoded slower than plain here despite tau > 1. This eval decodes one "
+        f"sequence at a time with the target in eager transformers on {report.get('device', '?')}, "
+        "where a draft step and the K+1-token verify of a small target cost about what the saved "
+        "forwards do; the speed a head gives when served: `eyas bench-serve`"
+    ]
 
 
 def _fmt(x, pct=False):

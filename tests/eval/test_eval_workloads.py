@@ -204,6 +204,22 @@ def test_low_accuracy_warning_reads_first_position_not_tar():
     assert any("does not beat prompt lookup" in w for w in warned)
 
 
+def test_a_head_slower_than_plain_offline_is_told_where_its_served_speed_comes_from():
+    # the quickstart's numbers: tau 1.54, 13.4 tokens/s against plain 15.9 on a CPU
+    report = {
+        "device": "cpu",
+        "plain": {"tokens_per_s": 15.9},
+        "drafters": {"head": {"tau": 1.54, "tokens_per_s": 13.4}, "ngram": {"tau": 1.38}},
+    }
+    (note,) = [w for w in verdicts(report) if w.startswith("note:")]
+    assert "head decoded slower than plain" in note and "on cpu" in note and "eyas bench-serve" in note
+    report["drafters"]["head"]["tokens_per_s"] = 21.0
+    assert not [w for w in verdicts(report) if w.startswith("note:")]
+    # a head that accepts nothing is slower for its own reason: the other warnings say it
+    report["drafters"]["head"] = {"tau": 1.0, "tokens_per_s": 10.0}
+    assert not [w for w in verdicts(report) if w.startswith("note:")]
+
+
 def test_humaneval_splits_are_disjoint_and_serve_as_data_and_workload():
     from eyas.data.conversations import read_conversations
     from eyas.eval.workloads import load_workload
