@@ -5,13 +5,14 @@
 # at a time; the CPU to itself (hours: ~25 min of training per EAGLE-3 lever here).
 #
 #   bash scripts/compare_levers.sh                  # every lever
-#   LEVERS="baseline lk muon" bash scripts/compare_levers.sh
+#   LEVERS="baseline lk adamw" bash scripts/compare_levers.sh
 #
 # Levers (EAGLE-3, recipes/smollm2-135m-eagle3.yaml):
 #   baseline   the recipe as it is
 #   normout    head.norm_output=true (EAGLE 3.1 feedback between TTT steps and drafts)
 #   tv, lk     train.loss=tv / lk (acceptance-targeted losses; also evaluated at T = 1)
-#   muon       train.optimizer=muon (Muon for the hidden matrices, AdamW for the rest)
+#   adamw      train.optimizer=adamw (AdamW for every weight; the recipe trains its hidden
+#              matrices with Muon)
 # P-EAGLE (recipes/smollm2-135m-peagle.yaml, started from this script's baseline head):
 #   pe1        1 layer, COD drawn at every position (the recipe)
 #   pe1-lab    1 layer, COD drawn only on labelled chains
@@ -33,7 +34,7 @@ EPOCHS=${LEVERS_EPOCHS:-4}
 PE_EPOCHS=${LEVERS_PE_EPOCHS:-5}
 PROMPTS=${LEVERS_PROMPTS:-80}
 TOKENS=${LEVERS_TOKENS:-96}
-LEVERS=${LEVERS:-baseline normout tv lk muon pe1 pe1-lab pe2 pe4}
+LEVERS=${LEVERS:-baseline normout tv lk adamw pe1 pe1-lab pe2 pe4}
 EYAS=(.venv/bin/eyas)
 E3=recipes/smollm2-135m-eagle3.yaml
 PE=recipes/smollm2-135m-peagle.yaml
@@ -50,7 +51,7 @@ lever_args() {  # recipe file, then the overrides of lever $1
     normout) echo "$E3 head.norm_output=true" ;;
     tv) echo "$E3 train.loss=tv" ;;
     lk) echo "$E3 train.loss=lk" ;;
-    muon) echo "$E3 train.optimizer=muon" ;;
+    adamw) echo "$E3 train.optimizer=adamw" ;;
     pe1) echo "$PE" ;;
     pe1-lab) echo "$PE train.peagle.cod_labelled_only=true" ;;
     pe2) echo "$PE head.num_layers=2" ;;
