@@ -9,8 +9,8 @@ from eyas.heads.algorithms import get_algorithm
 from eyas.train.batching import BatchStream, DataPosition, Packing, collate, pack_group, plan_epoch
 from eyas.train.checkpoint import latest_checkpoint, list_checkpoints
 from eyas.train.eagle3 import eagle3_loss
-from eyas.train.run_setup import cosine_with_warmup
 from eyas.train.metrics import AccuracyMeter
+from eyas.train.run_setup import cosine_with_warmup
 from eyas.train.step_stats import StepStats
 
 
