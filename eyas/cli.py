@@ -68,7 +68,7 @@ KNOWN_FAILURES = {
     "eyas.target.load": ("TargetLoadError",),
     "eyas.target.shapes": ("ShapeError",),
     "eyas.target.quantized": ("QuantizationError",),
-    "eyas.preflight": ("PreflightError",),
+    "eyas.preflight_plan": ("PreflightError",),
     "eyas.data.regenerate_server": ("ServerError",),
     "eyas.core.engine_process": ("EngineError",),
     "eyas.core.gpu_holders": ("GpusBusyError",),

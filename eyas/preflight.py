@@ -13,7 +13,6 @@ below with what they stand for; a GPU run that measures the peak corrects them.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
 
 from eyas.eval.sizes import (
     HARDWARE,
@@ -23,11 +22,14 @@ from eyas.eval.sizes import (
     target_size_from_config,
     with_overrides,
 )
+from eyas.preflight_engine import (
+    beside_the_engine,
+    capture_engine_stage,
+    capture_seconds,
+    regenerate_stage,
+)
+from eyas.preflight_plan import CONTEXT_BYTES, FRAGMENTATION, GB, Preflight, StagePlan
 
-GB = 1e9
-# Per GPU, what the CUDA context, NCCL's buffers and the allocator's fragmentation take.
-CONTEXT_BYTES = 2.0e9
-FRAGMENTATION = 0.05
 # Bytes per token and hidden unit a transformer layer keeps for backward in bf16 with a
 # fused attention (the 34·s·b·h of Korthikanti et al., 2022), and per draft-vocabulary
 # logit and TTT step (bf16 logits + their float32 log-softmax).
@@ -38,10 +40,6 @@ LOGIT_BYTES = 6
 PARAM_BYTES, GRAD_BYTES, ADAM_BYTES, MUON_BYTES = 4, 4, 8, 4
 LM_HEAD_CHUNK_TOKENS = 4096  # train/losses.py target_labels' chunk
 STRATEGIES = ("ddp", "zero2", "fsdp", "zero3")
-
-
-class PreflightError(RuntimeError):
-    """A recipe that cannot fit; the message names the stage, the rank's bytes and the knob."""
 
 
 def parse_gpu(spec: str) -> Hardware:
@@ -58,49 +56,6 @@ def parse_gpu(spec: str) -> Hardware:
             raise ValueError(f"GPU {spec!r}: the memory after the dash is a number of GB")
         hw = with_overrides(hw, memory_bytes=float(mem) * GB, name=spec)
     return hw
-
-
-@dataclass
-class StagePlan:
-    stage: str
-    per_rank: dict[str, float]  # what a rank holds at its peak, bytes
-    budget: float  # usable bytes per GPU
-    seconds_per_mtok: float | None = None  # time per million tokens on the whole job
-    knob: str | None = None
-    notes: list[str] = field(default_factory=list)
-    problem: str | None = None  # why it cannot run, besides memory
-
-    @property
-    def peak(self) -> float:
-        return sum(self.per_rank.values())
-
-    @property
-    def fits(self) -> bool:
-        return self.peak <= self.budget and self.problem is None
-
-
-@dataclass
-class Preflight:
-    recipe: str
-    gpu: str
-    gpus: int
-    nodes: int
-    strategy: str
-    attention: str
-    weights: str
-    stages: list[StagePlan]
-    disk: dict[str, float]
-
-    @property
-    def fits(self) -> bool:
-        return all(s.fits for s in self.stages)
-
-    def as_dict(self) -> dict:
-        out = asdict(self)
-        for s, d in zip(self.stages, out["stages"]):
-            d.update(peak=s.peak, fits=s.fits)
-        out["fits"] = self.fits
-        return out
 
 
 def _forward_bytes(size, shape, tokens: int, seq: int, attention: str, unit: int) -> dict[str, float]:
@@ -176,7 +131,6 @@ def preflight(
     recipe_name: str = "",
 ) -> Preflight:
     """Size every GPU stage of `recipe` on `nodes` × `gpus` GPUs of kind `gpu`."""
-    from eyas.preflight_engine import beside_the_engine, capture_engine_stage, regenerate_stage
     from eyas.target.load import attention_implementation
     from eyas.target.shapes import target_shape
 
@@ -260,11 +214,6 @@ def _train_seconds(recipe, hw, size, params, tokens, seq, world, online) -> floa
     passes = getattr(sec, "ttt_steps", None) or getattr(sec, "num_depths", 1)
     flops = 6 * params * passes + (2 * size.active_params + size.attention_flops(seq // 2) if online else 0)
     return 1e6 * flops / (hw.peak_flops * hw.flops_efficiency * world)
-
-
-def capture_seconds(hw, size, world) -> float:
-    """Seconds per million captured tokens on `world` GPUs: the target's forward FLOPs."""
-    return 1e6 * 2 * size.active_params / (hw.peak_flops * hw.flops_efficiency * world)
 
 
 def _train_knob(recipe, st: StagePlan, strategy: str, world: int, tokens: int) -> str:

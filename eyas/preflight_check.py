@@ -11,7 +11,8 @@ import re
 import shlex
 
 from eyas.eval.sizes import HARDWARE
-from eyas.preflight import GB, Preflight, PreflightError, preflight
+from eyas.preflight import preflight
+from eyas.preflight_plan import GB, Preflight, PreflightError
 
 log = logging.getLogger(__name__)
 

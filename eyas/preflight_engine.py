@@ -1,7 +1,8 @@
 """Preflight's engine stages (DESIGN §2.9): a vLLM engine eyas launches to regenerate
 replies or hand over hidden states, laid out over TP × DP from its launch line, with its
 weights per GPU, workspace and KV room; and the training ranks' share of the GPUs beside
-an engine that feeds them. eyas/preflight.py sizes the rest and calls these.
+an engine that feeds them; the target's forward time per captured token. eyas/preflight.py
+sizes the rest and calls these.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import math
 import shlex
 
 from eyas.eval.sizes import with_overrides
-from eyas.preflight import CONTEXT_BYTES, FRAGMENTATION, GB, StagePlan, capture_seconds
+from eyas.preflight_plan import CONTEXT_BYTES, FRAGMENTATION, GB, StagePlan
 
 # vLLM: weights and KV room share gpu_memory_utilization of each GPU; its activations and
 # CUDA graphs take about this much of it.
@@ -129,3 +130,8 @@ def beside_the_engine(recipe, st: StagePlan, hw, states_bytes: float) -> None:
         st.notes.append(f"the engine (data.capture.launch) holds {share:.0%} of each GPU beside the ranks")
         if not st.fits:
             st.knob = "the engine on other GPUs (data.capture.server_url), or less --gpu-memory-utilization"
+
+
+def capture_seconds(hw, size, world) -> float:
+    """Seconds per million captured tokens on `world` GPUs: the target's forward FLOPs."""
+    return 1e6 * 2 * size.active_params / (hw.peak_flops * hw.flops_efficiency * world)

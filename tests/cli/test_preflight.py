@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from eyas.cli import main
-from eyas.preflight import GB, parse_gpu, preflight
+from eyas.preflight import parse_gpu, preflight
 from eyas.preflight_check import fits_table, header_hardware
+from eyas.preflight_plan import GB
 from eyas.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
