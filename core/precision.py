@@ -70,7 +70,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eyas"
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -80,12 +80,14 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def machine_id() -> str:
+    """What a CPU timing verdict holds for: the processor, torch and the thread count."""
+    return f"{cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+
+
 def _machine_key(shapes: MatmulShapes) -> str:
     s = shapes.timed()
-    return (
-        f"{_cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}|"
-        f"{s.rows}x{s.hidden}x{s.intermediate}+{s.vocab}"
-    )
+    return f"{machine_id()}|{s.rows}x{s.hidden}x{s.intermediate}+{s.vocab}"
 
 
 def time_matmuls(
@@ -117,22 +119,23 @@ def time_matmuls(
     return best
 
 
-def _read_cache() -> dict:
+def read_verdicts(name: str) -> dict:
+    """The cached timing verdicts of `cache_dir() / name` ({} when none or unreadable)."""
     try:
-        return json.loads((cache_dir() / CACHE_NAME).read_text())
+        return json.loads((cache_dir() / name).read_text())
     except (OSError, ValueError):
         return {}  # none yet, or unreadable: measure again and rewrite it
 
 
-def _write_cache(verdicts: dict) -> None:
-    path = cache_dir() / CACHE_NAME
+def write_verdicts(name: str, verdicts: dict) -> None:
+    path = cache_dir() / name
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{CACHE_NAME}.{os.getpid()}")
+        tmp = path.with_name(f".{name}.{os.getpid()}")
         tmp.write_text(json.dumps(verdicts, indent=1) + "\n")
         os.replace(tmp, path)
     except OSError as err:  # a read-only home only costs a measurement next time
-        log.debug("could not cache the precision verdict in %s: %s", path, err)
+        log.debug("could not cache the timing verdicts in %s: %s", path, err)
 
 
 def cpu_bf16_is_faster(shapes: MatmulShapes | None = None) -> bool:
@@ -140,7 +143,7 @@ def cpu_bf16_is_faster(shapes: MatmulShapes | None = None) -> bool:
     then read from the cache."""
     shapes = shapes or MatmulShapes()
     key = _machine_key(shapes)
-    verdicts = _read_cache()
+    verdicts = read_verdicts(CACHE_NAME)
     known = verdicts.get(key)
     if isinstance(known, dict) and known.get("faster") in ("bfloat16", "float32"):
         log.info(
@@ -169,7 +172,7 @@ def cpu_bf16_is_faster(shapes: MatmulShapes | None = None) -> bool:
         "float32_ms": round(fp32 * 1e3, 3),
         "shapes": asdict(shapes.timed()),
     }
-    _write_cache(verdicts)
+    write_verdicts(CACHE_NAME, verdicts)
     log.info(
         "dtype auto: %s on this CPU (measured: bf16 %.2f ms, float32 %.2f ms for %s; cached in %s)",
         faster,

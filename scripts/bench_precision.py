@@ -34,7 +34,7 @@ def main() -> None:
 
     config = load_target_config(args.target)
     out = {
-        "cpu": precision._cpu_name(),
+        "cpu": precision.cpu_name(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "bf16_flags": {

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from eyas.core.assets import packaged_file
+from eyas.core.decode_attention import choose_gqa_sdpa_on_cpu
 from eyas.core.precision import resolve_dtype, shapes_of_config
 from eyas.target.quantized import check_still_quantized, quantization_kwargs
 
@@ -79,20 +80,6 @@ def _supports_flex_with_sinks(config) -> bool:
         bool(getattr(cls, "_supports_flex_attn", False))
         and "s_aux" in inspect.signature(flex_attention.flex_attention_forward).parameters
     )
-
-
-GQA_SDPA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
-
-
-def prefer_gqa_sdpa_on_cpu() -> None:
-    """Have transformers' SDPA attention pass grouped keys/values to torch (`enable_gqa`)
-    even under a padding mask. Its default there copies the KV cache once per query head
-    group (`repeat_kv`), or, for one decode query, folds the groups into the query axis;
-    on CPU the grouped kernel took SmolLM2 regeneration at batch 256 from 508 to 558
-    reply tokens/s (scripts/bench_regenerate.py, this variable at 0 and at 1).
-    Not set for GPUs, where transformers says a masked grouped call falls back to the
-    unfused kernel. A value the user exported (e.g. 0) is kept."""
-    os.environ.setdefault(GQA_SDPA_ENV, "1")
 
 
 def _supports_sdpa(config) -> bool:
@@ -308,8 +295,8 @@ def load_target(
     tokenizer = load_tokenizer(name_or_path, revision, trust_remote_code)
     if not placed:
         model.to(dev)
-    if dev.type == "cpu":
-        prefer_gqa_sdpa_on_cpu()
+    if dev.type == "cpu" and decoder_layers:
+        choose_gqa_sdpa_on_cpu(config, model.dtype, work_rows)
     # The id a serving config should name: the Hub id when there is one.
     hub_id = SMOLLM2_HUB_ID if name_or_path == SMOLLM2_ALIAS else name_or_path
     return Target(model=freeze(model), tokenizer=tokenizer, path=path, hub_id=hub_id)

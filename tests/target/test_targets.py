@@ -64,21 +64,31 @@ def test_a_cached_decode_step_continues_the_context(tiny_llama_dir):
     torch.testing.assert_close(step, model(input_ids=ids).logits[0, -1], rtol=1e-4, atol=1e-4)
 
 
-def test_cpu_targets_attend_with_grouped_kv_under_a_padding_mask(tiny_llama_dir, monkeypatch):
-    """On CPU a padded batch reaches torch's SDPA with the KV heads grouped (`enable_gqa`)
-    instead of copied per query head, with the logits of the copying path; a value the
-    user exported is kept."""
+def test_cpu_targets_decode_with_the_grouped_or_folded_attention_that_timed_faster(
+    tiny_llama_dir, monkeypatch
+):
+    """On CPU the decode attention of a grouped-query target is timed both ways once per
+    machine and shape: where the grouped kernel (`enable_gqa`) is faster a padded batch
+    reaches torch with the KV heads grouped, else transformers folds or copies them; both
+    give the same logits, the verdict is cached, and a value the user exported is kept."""
     import os
 
     import torch
     import torch.nn.functional as F
 
-    from eyas.target.load import GQA_SDPA_ENV
+    from eyas.core import decode_attention
+    from eyas.core.decode_attention import GQA_SDPA_ENV
 
+    monkeypatch.setenv("EYAS_CACHE_DIR", str(tiny_llama_dir.parent / "timing-cache"))
     monkeypatch.delenv(GQA_SDPA_ENV, raising=False)
-    model = load_target(str(tiny_llama_dir), dtype="float32", device="cpu").model
-    assert model.config.num_key_value_heads < model.config.num_attention_heads
-    assert os.environ[GQA_SDPA_ENV] == "1"
+    timed = []
+    faster = {"grouped": True}
+
+    def fake_time(shapes, grouped, seconds=0.1):
+        timed.append(grouped)
+        return 1.0 if grouped == faster["grouped"] else 2.0
+
+    monkeypatch.setattr(decode_attention, "time_decode_attention", fake_time)
     seen = []
     sdpa = F.scaled_dot_product_attention
 
@@ -90,16 +100,38 @@ def test_cpu_targets_attend_with_grouped_kv_under_a_padding_mask(tiny_llama_dir,
     ids = torch.randint(3, 300, (3, 7), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[0, :3] = mask[2, :1] = 0  # left padding
+    real = mask.bool()
+
+    model = load_target(str(tiny_llama_dir), dtype="float32", device="cpu", work_rows=3).model
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    assert os.environ[GQA_SDPA_ENV] == "1" and timed
     grouped = model(input_ids=ids, attention_mask=mask).logits
     assert seen and all(heads == model.config.num_key_value_heads and gqa for heads, gqa in seen)
+
+    faster["grouped"] = False  # another machine: a shape not timed yet
     seen.clear()
-    monkeypatch.setenv(GQA_SDPA_ENV, "0")
-    copied = model(input_ids=ids, attention_mask=mask).logits
-    assert seen and not any(gqa for _, gqa in seen)
-    real = mask.bool()
-    torch.testing.assert_close(grouped[real], copied[real], rtol=1e-5, atol=1e-5)
-    load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    model = load_target(str(tiny_llama_dir), dtype="float32", device="cpu", work_rows=5).model
     assert os.environ[GQA_SDPA_ENV] == "0"
+    folded = model(input_ids=ids, attention_mask=mask).logits
+    assert seen and not any(gqa for _, gqa in seen)
+    torch.testing.assert_close(grouped[real], folded[real], rtol=1e-5, atol=1e-5)
+
+    timed.clear()  # the first shape again: read from the cache, not timed
+    load_target(str(tiny_llama_dir), dtype="float32", device="cpu", work_rows=3)
+    assert os.environ[GQA_SDPA_ENV] == "1" and not timed
+
+    monkeypatch.setenv(GQA_SDPA_ENV, "0")  # the user's own choice stays
+    load_target(str(tiny_llama_dir), dtype="float32", device="cpu", work_rows=3)
+    assert os.environ[GQA_SDPA_ENV] == "0" and not timed
+
+
+def test_decode_attention_timing_runs_both_sdpa_calls():
+    """The timing itself runs the two calls transformers would make, at the given shape."""
+    from eyas.core.decode_attention import DecodeShapes, time_decode_attention
+
+    shapes = DecodeShapes(rows=4, heads=6, kv_heads=2, head_dim=16, dtype="float32", keys=32)
+    assert time_decode_attention(shapes, True, seconds=0.001) > 0
+    assert time_decode_attention(shapes, False, seconds=0.001) > 0
 
 
 def test_missing_local_target_is_a_clear_error(tmp_path):
