@@ -113,6 +113,10 @@ class TrainSection(_Section):
     # per TTT step or P-EAGLE depth (the LK loss, arXiv 2602.23881).
     loss: Literal["kl", "tv", "lk"] = "kl"
     lk_eta: float = Field(3.0, ge=0)
+    # Also train on the prompt's slots (system / user text), labelled like the reply's by
+    # the target's own distribution there (DESIGN §2.4): more labelled slots from the same
+    # regenerated data. The held-out split keeps the reply-only mask.
+    label_prompts: bool = False
     # adamw: every trainable parameter. muon: torch.optim.Muon for the head's 2-D hidden
     # matrices (attention, MLP, fc) at `muon_lr`, AdamW for the rest (train/optimizers.py);
     # refused under FSDP2 and DeepSpeed, which shard the matrices.

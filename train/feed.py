@@ -24,8 +24,17 @@ class FeatureSource:
     argmax inside the draft vocabulary) is remembered per sample (`batch["index"]`), so
     later epochs multiply only the draft rows of the target's LM head."""
 
-    def __init__(self, target_model, aux_layer_ids: list[int], output: FrozenOutput, head, engine=None):
+    def __init__(
+        self,
+        target_model,
+        aux_layer_ids: list[int],
+        output: FrozenOutput,
+        head,
+        engine=None,
+        label_prompts: bool = False,
+    ):
         self.target_model = target_model
+        self.label_prompts = label_prompts
         self.engine = engine
         self.aux_layer_ids = aux_layer_ids
         self.output = output
@@ -57,11 +66,14 @@ class FeatureSource:
                 v = self._valid[k]
                 known[row, start : start + v.numel()] = v
             known = known.to(batch["loss_mask"].device)
+        # `train.label_prompts`: every real slot of a training sample carries the target's
+        # label, not the reply's alone; held-out acceptance stays measured on replies
+        loss_mask = batch["attention_mask"] if self.label_prompts and split == "train" else batch["loss_mask"]
         labels = valid_row_labels(
             batch["last"],
             self.output.norm,
             self.lm_head,
-            batch["loss_mask"],
+            loss_mask,
             batch["attention_mask"],
             known_valid=known,
             segments=segments,

@@ -80,7 +80,12 @@ def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool, stac
     eval_src = open_split(recipe, head_cfg, "eval")
     engine = _engine(recipe, head_cfg, target, accelerator, stack)  # once the data is there
     features = FeatureSource(
-        target.model, list(head_cfg.aux_layer_ids), frozen_output(target.model), head, engine
+        target.model,
+        list(head_cfg.aux_layer_ids),
+        frozen_output(target.model),
+        head,
+        engine,
+        label_prompts=cfg.label_prompts,
     )
     stream = batch_stream(recipe, train_src, rank, world, pad_id=pad_id, engine=engine)
     steps_per_epoch = max(1, stream.batches_per_epoch() // (world * cfg.grad_accum))

@@ -246,3 +246,28 @@ def test_feature_source_remembers_validity_per_split_and_sample():
     # memory (the whole vocabulary is read, NaN rows included, so nothing comes out valid)
     _, other = features.complete(dict(first_batch), split="eval")
     assert not other.valid.any() and ("eval", 3) in features._valid
+
+
+def test_label_prompts_labels_every_real_slot_of_training_samples_only():
+    """`train.label_prompts`: a training batch gets the target's label at every real slot
+    whose next token is real, prompt slots included, with the same label as where the loss
+    mask already held; the held-out split keeps the reply-only mask."""
+    from eyas.train.build import FrozenOutput
+    from eyas.train.feed import FeatureSource
+
+    head, batch, args = _setup({}, 50)  # the whole vocabulary: every labelled slot counts
+    last, norm, w, draft_ids, _, lm, am = args
+    output = FrozenOutput(norm=norm, lm_head_weight=w)
+    replies_only = FeatureSource(None, [1, 2, 3], output, head)
+    with_prompts = FeatureSource(None, [1, 2, 3], output, head, label_prompts=True)
+    _, base = replies_only.complete(dict(batch))
+    _, wide = with_prompts.complete(dict(batch))
+    next_real = torch.zeros_like(am, dtype=torch.bool)
+    next_real[:, :-1] = am[:, 1:].bool()
+    next_in_mask = torch.zeros_like(next_real)
+    next_in_mask[:, :-1] = lm[:, 1:].bool()
+    assert torch.equal(base.valid, next_in_mask) and torch.equal(wide.valid, next_real)
+    assert wide.valid.sum() > base.valid.sum()
+    torch.testing.assert_close(wide.logits[base.valid], base.logits[base.valid])
+    _, held_out = with_prompts.complete(dict(batch), split="eval")
+    assert torch.equal(held_out.valid, base.valid)
