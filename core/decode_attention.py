@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
-from eyas.core.precision import machine_id, read_verdicts, write_verdicts
+from eyas.core.precision import fastest_seconds, machine_id, read_verdicts, write_verdicts
 
 log = logging.getLogger(__name__)
 
@@ -80,17 +79,9 @@ def time_decode_attention(shapes: DecodeShapes, grouped: bool, seconds: float = 
     if not grouped:
         q = q.reshape(s.rows, s.kv_heads, s.heads // s.kv_heads, s.head_dim)
 
-    def once() -> float:
-        start = time.perf_counter()
-        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
-        return time.perf_counter() - start
-
-    once()  # warm up: first-call dispatch and page faults
-    best, spent = float("inf"), 0.0
-    while spent < seconds or best == float("inf"):
-        t = once()
-        best, spent = min(best, t), spent + t
-    return best
+    return fastest_seconds(
+        lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped), seconds
+    )
 
 
 def grouped_decode_is_faster(shapes: DecodeShapes) -> bool:

@@ -18,6 +18,7 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -103,13 +104,24 @@ def time_matmuls(
     w_mlp = torch.randn(s.hidden, s.intermediate, generator=gen).to(dtype)
     w_head = torch.randn(s.hidden, s.vocab, generator=gen).to(dtype)
 
-    def once() -> float:
-        start = time.perf_counter()
+    def work() -> None:
         torch.mm(x, w_mlp)
         torch.mm(x, w_head)
+
+    return fastest_seconds(work, seconds, give_up_above)
+
+
+def fastest_seconds(work: Callable[[], object], seconds: float, give_up_above: float | None = None) -> float:
+    """The fastest of repeated calls of `work` over about `seconds`, after one warm-up call
+    (first-call dispatch, page faults); a warm-up slower than `give_up_above` is returned
+    as it is."""
+
+    def once() -> float:
+        start = time.perf_counter()
+        work()
         return time.perf_counter() - start
 
-    first = once()  # warm up: first-call dispatch and page faults
+    first = once()
     if give_up_above is not None and first > give_up_above:
         return first
     best, spent = float("inf"), 0.0
