@@ -48,6 +48,12 @@ def draft_first_lm_head(lm_head_weight: torch.Tensor, draft_ids: torch.Tensor) -
     return DraftFirstLMHead(lm_head_weight.index_select(0, order), vd)
 
 
+def label_mask(batch: dict, label_prompts: bool) -> torch.Tensor:
+    """The slots whose next token a label is computed for (DESIGN §2.4): the loss mask, or
+    with `train.label_prompts` every real token of the sample."""
+    return batch["attention_mask"] if label_prompts else batch["loss_mask"]
+
+
 @torch.no_grad()
 def valid_row_labels(
     last_hidden: torch.Tensor,

@@ -10,7 +10,7 @@ from eyas.core.segments import sample_spans
 from eyas.data.prepare import read_prepared_digest
 from eyas.train.batching import BatchStream, Packing, cache_samples, dataset_samples
 from eyas.train.build import FrozenOutput
-from eyas.train.fastpath import draft_first_lm_head, valid_row_labels
+from eyas.train.fastpath import draft_first_lm_head, label_mask, valid_row_labels
 
 
 def to_device(batch: dict, device) -> dict:
@@ -68,7 +68,7 @@ class FeatureSource:
             known = known.to(batch["loss_mask"].device)
         # `train.label_prompts`: every real slot of a training sample carries the target's
         # label, not the reply's alone; held-out acceptance stays measured on replies
-        loss_mask = batch["attention_mask"] if self.label_prompts and split == "train" else batch["loss_mask"]
+        loss_mask = label_mask(batch, self.label_prompts and split == "train")
         labels = valid_row_labels(
             batch["last"],
             self.output.norm,

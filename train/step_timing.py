@@ -66,7 +66,7 @@ def build_head_step(recipe, target_config, verifier: str, device, rows: int) -> 
     from eyas.heads.algorithms import get_algorithm
     from eyas.heads.layers import RMSNorm
     from eyas.train.build import head_config_for, head_from_target_weights
-    from eyas.train.fastpath import draft_first_lm_head, valid_row_labels
+    from eyas.train.fastpath import draft_first_lm_head, label_mask, valid_row_labels
     from eyas.train.optimizers import build_optimizer
 
     device = torch.device(device)
@@ -105,7 +105,7 @@ def build_head_step(recipe, target_config, verifier: str, device, rows: int) -> 
                 batch["last"],
                 norm,
                 target_lm,
-                batch["loss_mask"],
+                label_mask(batch, cfg.label_prompts),  # the slots the trainer labels
                 batch["attention_mask"],
                 known_valid=known.get(id(batch)) if later_epoch else None,
                 segments=batch.get("segments"),
