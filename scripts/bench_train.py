@@ -207,7 +207,13 @@ def main() -> None:
     vt = target.vocab_size
     torch.manual_seed(0)
     head = build_trainable_head(head_config_for(recipe, target.config), target.model, freqs)
-    features = FeatureSource(target.model, list(head.config.aux_layer_ids), frozen_output(target.model), head)
+    features = FeatureSource(
+        target.model,
+        list(head.config.aux_layer_ids),
+        frozen_output(target.model),
+        head,
+        label_prompts=recipe.train.label_prompts,  # label the slots the trainer labels
+    )
     model = HeadWithLoss(head, get_algorithm("eagle3").loss_function(), recipe.train)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
@@ -440,7 +446,13 @@ def compare_algorithms(args) -> None:
         torch.manual_seed(0)
         cfg = head_config_for(recipe, target.config, tokenizer=target.tokenizer, token_freqs=freqs)
         head = build_trainable_head(cfg, target.model, freqs)
-        features = FeatureSource(target.model, list(cfg.aux_layer_ids), frozen_output(target.model), head)
+        features = FeatureSource(
+            target.model,
+            list(cfg.aux_layer_ids),
+            frozen_output(target.model),
+            head,
+            label_prompts=recipe.train.label_prompts,
+        )
         model = HeadWithLoss(head, get_algorithm(cfg.algorithm).loss_function(), recipe.train)
         params = [p for p in model.parameters() if p.requires_grad]
         cached = [features.complete(dict(b))[0] for b in batches]  # the offline cache, in memory
