@@ -192,6 +192,7 @@ def main() -> None:
     from eyas.recipe import load_recipe
     from eyas.train.build import HeadWithLoss, build_trainable_head, frozen_output, head_config_for
     from eyas.train.feed import FeatureSource
+    from eyas.train.optimizers import build_optimizer
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     recipe = load_recipe(
@@ -216,7 +217,8 @@ def main() -> None:
     )
     model = HeadWithLoss(head, get_algorithm("eagle3").loss_function(), recipe.train)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    # the recipe's optimizer (Muon's step is part of a step's time), iterating as the run would
+    opt = build_optimizer(model.named_parameters(), recipe.train, "bf16" if bf16_autocast else "no")
     tokens = [int(b["attention_mask"].sum()) for b in batches]
     timed_tokens = sum(tokens[1:])
 
@@ -429,6 +431,7 @@ def compare_algorithms(args) -> None:
     from eyas.heads.algorithms import get_algorithm
     from eyas.train.build import HeadWithLoss, build_trainable_head, frozen_output, head_config_for
     from eyas.train.feed import FeatureSource
+    from eyas.train.optimizers import build_optimizer
 
     loadavg_before = os.getloadavg()[0]
     if args.threads:
@@ -461,7 +464,7 @@ def compare_algorithms(args) -> None:
             features=features,
             model=model,
             params=params,
-            opt=torch.optim.AdamW(params, lr=1e-4),
+            opt=build_optimizer(model.named_parameters(), recipe.train, "bf16" if bf16_autocast else "no"),
             cached=cached,
             generator=torch.Generator().manual_seed(0),
         )

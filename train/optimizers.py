@@ -5,6 +5,10 @@ with AdamW over the rest (embeddings, the LM head, norms, the P-EAGLE mask param
 Muon orthogonalises each matrix's update as a whole (Newton-Schulz iterations), so it
 needs every matrix whole on the rank that steps it: under FSDP2 a rank holds row shards
 (DTensors) and DeepSpeed builds and shards its own optimizer, so both are refused.
+
+torch.optim.Muon always iterates in bf16, which a CPU without bf16 instructions (an AVX2
+EPYC) multiplies ~50x slower than float32: a head's Muon step took 22 s there. `Muon` below
+is torch's algorithm with the iteration in the run's compute dtype (DESIGN §2.4).
 """
 
 from __future__ import annotations
@@ -24,13 +28,72 @@ def muon_parameter(name: str, param: torch.Tensor) -> bool:
     return param.ndim == 2 and not name.endswith(ADAMW_MATRICES)
 
 
+# The quintic Newton-Schulz coefficients published with Muon (and torch's defaults): five
+# iterations take every singular value of a unit-norm matrix to roughly [0.7, 1.2].
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def orthogonalised(
+    update: torch.Tensor, steps: int, dtype: torch.dtype, coefficients=NS_COEFFICIENTS, eps=1e-7
+) -> torch.Tensor:
+    """`update` [m, n] with its singular values pushed towards 1 by `steps` Newton-Schulz
+    iterations computed in `dtype` (on the short side's Gram matrix)."""
+    a, b, c = coefficients
+    x = update.to(dtype)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon (its param groups, defaults and state dict, so a checkpoint of either
+    loads into the other) with the Newton-Schulz iteration in `ns_dtype`."""
+
+    def __init__(self, params, *, ns_dtype: torch.dtype, **kwargs):
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["adjust_lr_fn"] not in (None, "original"):
+                raise ValueError(f"Muon: adjust_lr_fn {group['adjust_lr_fn']!r} is not supported here")
+            lr, momentum = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = orthogonalised(
+                    update, group["ns_steps"], self.ns_dtype, group["ns_coefficients"], group["eps"]
+                )
+                rows, cols = p.shape
+                p.mul_(1 - lr * group["weight_decay"])
+                # a tall matrix's update is scaled up as torch's "original" adjustment does
+                p.add_(update.to(p.dtype), alpha=-lr * max(1.0, rows / cols) ** 0.5)
+        return loss
+
+
 class MuonWithAdamW(torch.optim.Optimizer):
     """Muon for `muon_params`, AdamW for `adamw_params`, stepped together. Its param_groups
     are the two optimizers' own (Muon's first), so a learning-rate schedule scales each
     from its own base rate; its state dict holds both states under "muon" and "adamw"."""
 
-    def __init__(self, muon_params, adamw_params, *, muon_lr, lr, betas, weight_decay):
-        self.muon = torch.optim.Muon(muon_params, lr=muon_lr, weight_decay=weight_decay)
+    def __init__(self, muon_params, adamw_params, *, muon_lr, lr, betas, weight_decay, ns_dtype):
+        self.muon = Muon(muon_params, lr=muon_lr, weight_decay=weight_decay, ns_dtype=ns_dtype)
         self.adamw = torch.optim.AdamW(adamw_params, lr=lr, betas=betas, weight_decay=weight_decay)
         super().__init__([*muon_params, *adamw_params], {})
         # the groups the base class made are replaced by the children's, which step
@@ -58,9 +121,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.adamw.load_state_dict(state_dict["adamw"])
 
 
-def build_optimizer(named_params: Iterable[tuple[str, torch.Tensor]], cfg) -> torch.optim.Optimizer:
+def build_optimizer(
+    named_params: Iterable[tuple[str, torch.Tensor]], cfg, mixed_precision: str = "no"
+) -> torch.optim.Optimizer:
     """The optimizer `cfg` (the recipe's TrainSection) asks for over the trainable ones of
-    `named_params`."""
+    `named_params`. `mixed_precision` (accelerate's name, as resolved for the run): Muon
+    iterates in bf16 where the run computes in bf16 or fp16, in float32 otherwise."""
     named = [(n, p) for n, p in named_params if p.requires_grad]
     betas, wd = tuple(cfg.betas), cfg.weight_decay
     if cfg.optimizer == "adamw":
@@ -74,7 +140,10 @@ def build_optimizer(named_params: Iterable[tuple[str, torch.Tensor]], cfg) -> to
     rest = [p for n, p in named if not muon_parameter(n, p)]
     if not muon:
         raise ValueError("train.optimizer: muon, but the head trains no hidden weight matrix")
-    return MuonWithAdamW(muon, rest, muon_lr=cfg.muon_lr, lr=cfg.learning_rate, betas=betas, weight_decay=wd)
+    ns_dtype = torch.float32 if mixed_precision == "no" else torch.bfloat16
+    return MuonWithAdamW(
+        muon, rest, muon_lr=cfg.muon_lr, lr=cfg.learning_rate, betas=betas, weight_decay=wd, ns_dtype=ns_dtype
+    )
 
 
 def refuse_muon_when_sharded(cfg, sharded_by: str | None) -> None:

@@ -95,7 +95,7 @@ def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool, stac
         accelerator, HeadWithLoss(head, get_algorithm(head_cfg.algorithm).loss_function(), cfg)
     )
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(model.named_parameters(), cfg)
+    optimizer = build_optimizer(model.named_parameters(), cfg, accelerator.mixed_precision)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg.warmup_steps, total))
     model, optimizer = prepare(accelerator, model, optimizer, cfg)
     generator = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + rank)

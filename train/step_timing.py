@@ -92,10 +92,10 @@ def build_head_step(recipe, target_config, verifier: str, device, rows: int) -> 
     cfg = recipe.train
     loss_fn = get_algorithm(head_cfg.algorithm).loss_function()
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = build_optimizer(head.named_parameters(), cfg)
     step_gen = torch.Generator(device=device).manual_seed(0)
     head_shapes = shapes_of_config(target_config, rows, vocab=head_cfg.draft_vocab_size)
     mixed_precision = resolve_mixed_precision(cfg.mixed_precision, device, head_shapes)
+    opt = build_optimizer(head.named_parameters(), cfg, mixed_precision)
 
     known: dict[int, torch.Tensor] = {}  # id(batch) -> the valid slots its first-epoch step found
 

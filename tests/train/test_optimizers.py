@@ -10,7 +10,13 @@ from safetensors.torch import load_file
 from support.train_run_fixtures import prepare_run
 
 from eyas.recipe import recipe_from_dict
-from eyas.train.optimizers import MuonWithAdamW, build_optimizer, muon_parameter, refuse_muon_when_sharded
+from eyas.train.optimizers import (
+    Muon,
+    MuonWithAdamW,
+    build_optimizer,
+    muon_parameter,
+    refuse_muon_when_sharded,
+)
 
 
 def _tiny_head():
@@ -67,6 +73,52 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
         opt.load_state_dict(torch.optim.AdamW(head.parameters()).state_dict())
     assert muon_parameter("head.fc.weight", torch.empty(2, 2))
     assert not muon_parameter("head.lm_head.weight", torch.empty(2, 2))
+
+
+def _matrices(seed):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(24, 8), (8, 24), (16, 16)]
+    params = [torch.nn.Parameter(torch.randn(*shape, generator=g) * 0.02) for shape in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    return params
+
+
+def test_muon_steps_as_torchs_in_bf16_and_iterates_in_float32_where_the_run_does():
+    # in bf16 the step is torch.optim.Muon's, bit for bit, momentum and weight decay included
+    ours, torchs = _matrices(0), _matrices(0)
+    mine = Muon(ours, lr=0.05, weight_decay=0.1, ns_dtype=torch.bfloat16)
+    ref = torch.optim.Muon(torchs, lr=0.05, weight_decay=0.1)
+    for _ in range(3):
+        mine.step()
+        ref.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours, torchs))
+    # a checkpoint of either loads into the other
+    ref.load_state_dict(mine.state_dict())
+    # a run computing in float32 (a CPU without fast bf16) iterates in float32: the same
+    # step up to bf16's rounding, and no bf16 multiply on the way
+    cfg = recipe_from_dict({"train": {"optimizer": "muon", "muon_lr": 0.05}}).train
+    assert build_optimizer(_tiny_head().named_parameters(), cfg, "bf16").muon.ns_dtype == torch.bfloat16
+    fp32, one_step = _matrices(0), _matrices(0)
+    vector = torch.nn.Parameter(torch.zeros(4))
+    vector.grad = torch.ones(4)
+    opt = build_optimizer([*((f"m{i}", p) for i, p in enumerate(fp32)), ("bias", vector)], cfg, "no")
+    assert opt.muon.ns_dtype == torch.float32
+    bf16_mm = []
+    real_addmm = torch.addmm
+
+    def addmm(*a, **k):
+        bf16_mm.append(a[0].dtype == torch.bfloat16)
+        return real_addmm(*a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "addmm", addmm)
+        opt.step()
+    assert bf16_mm and not any(bf16_mm)
+    torch.optim.Muon(one_step, lr=0.05, weight_decay=cfg.weight_decay).step()
+    for p, q, s in zip(fp32, one_step, _matrices(0)):
+        assert p.dtype == torch.float32
+        assert torch.linalg.norm((p - q).detach()) < 0.02 * torch.linalg.norm((q - s).detach())
 
 
 def test_muon_is_refused_where_the_matrices_are_sharded():
