@@ -50,6 +50,14 @@ def orthogonalised(
     return x.T if tall else x
 
 
+def _closure_loss(closure):
+    """The loss a `step(closure)` returns: the closure's, evaluated with gradients on."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Muon(torch.optim.Muon):
     """torch.optim.Muon (its param groups, defaults and state dict, so a checkpoint of either
     loads into the other) with the Newton-Schulz iteration in `ns_dtype`."""
@@ -60,10 +68,7 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             if group["adjust_lr_fn"] not in (None, "original"):
                 raise ValueError(f"Muon: adjust_lr_fn {group['adjust_lr_fn']!r} is not supported here")
@@ -101,10 +106,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         self.muon.step()
         self.adamw.step()
         return loss
