@@ -147,20 +147,43 @@ def choose(rates: Rates, recipe, left_s: float, fixed: tuple[str, ...] = ()) -> 
     return Choice(n, e, estimates, reasons)
 
 
-# A 1-minute load average at or above this share of the cores before the probe means other
-# work is running: the rates measured are that load's, and the run is cut for it.
+# Other processes keeping this share of the cores busy while the probe ran mean the rates
+# measured are that load's, and the run is cut for it.
 BUSY_LOAD_PER_CORE = 0.5
 
 
 def busy_reason(load: float | None, cores: int, path) -> str | None:
-    """A reason line for budget.json when the CPU was busy as the probe began, else None
-    (also where the platform has no load average)."""
+    """A reason line for budget.json when other work kept the CPU busy as the probe ran, else
+    None (also where the platform cannot tell)."""
     if load is None or load < BUSY_LOAD_PER_CORE * cores:
         return None
     return (
-        f"the CPU was busy as it was measured (load average {load:.1f} on {cores} cores): the run "
-        f"is sized for that load; on an idle machine delete {path} and rerun to size it again"
+        f"the CPU was busy as it was measured (other processes kept {load:.1f} of {cores} cores "
+        f"busy): the run is sized for that load; on an idle machine delete {path} and rerun to "
+        "size it again"
     )
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(seconds every core spent busy since boot, seconds this process and its waited-for
+    children used), or None where /proc/stat is missing. Their growth over an interval,
+    divided by it, is the load of other processes then: unlike the 1-minute load average,
+    it does not still hold work that ended before (the quickstart's own pip install)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+    own = os.times()
+    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system + own.children_user + own.children_system
+
+
+def other_load(before: tuple[float, float] | None, after: tuple[float, float] | None, wall_s: float):
+    """Cores other processes kept busy between two `cpu_seconds()` readings `wall_s` apart."""
+    if before is None or after is None or wall_s <= 0:
+        return None
+    return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / wall_s
 
 
 def size_run(
@@ -180,10 +203,10 @@ def size_run(
     from eyas.budget.probe import measure
 
     fixed = kept_keys(recipe, fixed)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    start = time.perf_counter()
+    cpu_before, start = cpu_seconds(), time.perf_counter()
     rates = measure(recipe, progress)
     probe_s = time.perf_counter() - start
+    load = other_load(cpu_before, cpu_seconds(), probe_s)
     left = budget_s * (1 - MARGIN) - spent_s - probe_s
     choice = choose(rates, recipe, left, fixed)
     sized = {
@@ -196,7 +219,7 @@ def size_run(
         "overrides": [o for o in choice.overrides if o.split("=")[0] not in fixed],
         "estimates_s": {k: round(v, 1) for k, v in choice.estimates.items()},
         "reasons": choice.reasons + [r for r in [busy_reason(load, os.cpu_count() or 1, path)] if r],
-        "load_average_before": load,
+        "other_load_during_probe": None if load is None else round(load, 2),
         "rates": asdict(rates),
     }
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -160,7 +160,7 @@ def test_probe_sizes_the_run_and_prepare_keeps_its_replies(tiny_llama_dir, tmp_p
     # max_samples was set by the user: only the epochs are sized, and printed for the stages
     assert out.out.split() == sized["overrides"] == ["train.epochs=4"]
     assert "estimated" in out.err and sized["spent_before_s"] == 30
-    assert sized["load_average_before"] is None or sized["load_average_before"] >= 0
+    assert sized["other_load_during_probe"] is None or sized["other_load_during_probe"] >= 0
     r = sized["rates"]
     assert r["probe_conversations"] == 16 and r["regen_batch_s"] > 0 and r["step_s"] > 0
     assert r["decode_s_per_token"] > 0 and r["samples_per_step"] >= 1 and r["sample_tokens"] > 10
@@ -275,7 +275,40 @@ def test_a_busy_cpu_is_said_with_the_way_to_size_again(tmp_path):
 
     path = tmp_path / "budget.json"
     said = busy_reason(1.9, 2, path)
-    assert "load average 1.9 on 2 cores" in said and str(path) in said
+    assert "kept 1.9 of 2 cores busy" in said and str(path) in said
     assert busy_reason(0.4, 2, path) is None  # an idle 2-core machine
     assert busy_reason(3.0, 16, path) is None  # a busy core of sixteen leaves the rates near
-    assert busy_reason(None, 2, path) is None  # no load average on this platform
+    assert busy_reason(None, 2, path) is None  # no /proc/stat on this platform
+
+
+def test_the_load_of_other_processes_leaves_out_the_probes_own_work():
+    import subprocess
+    import sys
+    import time
+
+    from eyas.budget.sizing import cpu_seconds, other_load
+
+    if cpu_seconds() is None:
+        pytest.skip("no /proc/stat here")
+
+    def loads(work):
+        before, start = cpu_seconds(), time.perf_counter()
+        work()
+        return other_load(before, cpu_seconds(), time.perf_counter() - start)
+
+    def spin():  # this process's own work: a probe measuring
+        end = time.perf_counter() + 1.0
+        while time.perf_counter() < end:
+            pass
+
+    other = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        busy = loads(spin)  # another process spinning beside it (not waited for)
+    finally:
+        other.kill()
+        other.wait()
+    # the other process keeps about a core busy; the probe's own core is not counted
+    assert busy > 0.5
+    assert loads(spin) < 0.5  # alone: its own spinning is no other load
+    # readings that are missing say nothing
+    assert other_load(None, (1.0, 1.0), 1.0) is None
