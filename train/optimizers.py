@@ -7,8 +7,8 @@ needs every matrix whole on the rank that steps it: under FSDP2 a rank holds row
 (DTensors) and DeepSpeed builds and shards its own optimizer, so both are refused.
 
 torch.optim.Muon always iterates in bf16, which a CPU without bf16 instructions (an AVX2
-EPYC) multiplies ~50x slower than float32: a head's Muon step took 22 s there. `Muon` below
-is torch's algorithm with the iteration in the run's compute dtype (DESIGN §2.4).
+EPYC) multiplies tens of times slower than float32. `Muon` below is torch's algorithm
+with the iteration in the run's compute dtype (DESIGN §2.4).
 """
 
 from __future__ import annotations
@@ -58,7 +58,9 @@ def _closure_loss(closure):
         return closure()
 
 
-class Muon(torch.optim.Muon):
+# torch < 2.9 has no Muon: the module still imports there, and build_optimizer refuses
+# `train.optimizer: muon` with the reason.
+class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
     """torch.optim.Muon (its param groups, defaults and state dict, so a checkpoint of either
     loads into the other) with the Newton-Schulz iteration in `ns_dtype`."""
 

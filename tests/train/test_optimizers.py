@@ -121,6 +121,20 @@ def test_muon_steps_as_torchs_in_bf16_and_iterates_in_float32_where_the_run_does
         assert torch.linalg.norm((p - q).detach()) < 0.02 * torch.linalg.norm((q - s).detach())
 
 
+def test_a_torch_without_muon_imports_eyas_and_refuses_muon_with_the_reason(monkeypatch):
+    import runpy
+
+    import eyas.train.optimizers as optimizers
+
+    monkeypatch.delattr(torch.optim, "Muon")
+    fresh = runpy.run_path(optimizers.__file__)  # the module as torch 2.5-2.8 imports it
+    muon = recipe_from_dict({"train": {"optimizer": "muon"}}).train
+    with pytest.raises(ValueError, match="needs torch.optim.Muon, which torch .* lacks"):
+        fresh["build_optimizer"](_tiny_head().named_parameters(), muon)
+    adamw = recipe_from_dict({}).train
+    assert isinstance(fresh["build_optimizer"](_tiny_head().named_parameters(), adamw), torch.optim.AdamW)
+
+
 def test_muon_is_refused_where_the_matrices_are_sharded():
     muon = recipe_from_dict({"train": {"optimizer": "muon"}}).train
     for launcher in ("FSDP2", "DeepSpeed"):
