@@ -66,14 +66,14 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
 
     def __init__(self, params, *, ns_dtype: torch.dtype, **kwargs):
         super().__init__(params, **kwargs)
+        if self.defaults["adjust_lr_fn"] not in (None, "original"):
+            raise ValueError(f"Muon: adjust_lr_fn {self.defaults['adjust_lr_fn']!r} is not supported here")
         self.ns_dtype = ns_dtype
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = _closure_loss(closure)
         for group in self.param_groups:
-            if group["adjust_lr_fn"] not in (None, "original"):
-                raise ValueError(f"Muon: adjust_lr_fn {group['adjust_lr_fn']!r} is not supported here")
             lr, momentum = group["lr"], group["momentum"]
             for p in group["params"]:
                 if p.grad is None:
@@ -126,7 +126,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 
 def build_optimizer(
-    named_params: Iterable[tuple[str, torch.Tensor]], cfg, mixed_precision: str = "no"
+    named_params: Iterable[tuple[str, torch.Tensor]], cfg, mixed_precision: str
 ) -> torch.optim.Optimizer:
     """The optimizer `cfg` (the recipe's TrainSection) asks for over the trainable ones of
     `named_params`. `mixed_precision` (accelerate's name, as resolved for the run): Muon

@@ -43,7 +43,7 @@ def _tiny_head():
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     head = _tiny_head()
     cfg = recipe_from_dict({"train": {"optimizer": "muon", "muon_lr": 0.05, "learning_rate": 1e-3}}).train
-    opt = build_optimizer(head.named_parameters(), cfg)
+    opt = build_optimizer(head.named_parameters(), cfg, "no")
     assert isinstance(opt, MuonWithAdamW)
     muon = {id(p) for g in opt.muon.param_groups for p in g["params"]}
     names = {n for n, p in head.named_parameters() if id(p) in muon}
@@ -130,9 +130,10 @@ def test_a_torch_without_muon_imports_eyas_and_refuses_muon_with_the_reason(monk
     fresh = runpy.run_path(optimizers.__file__)  # the module as torch 2.5-2.8 imports it
     muon = recipe_from_dict({"train": {"optimizer": "muon"}}).train
     with pytest.raises(ValueError, match="needs torch.optim.Muon, which torch .* lacks"):
-        fresh["build_optimizer"](_tiny_head().named_parameters(), muon)
+        fresh["build_optimizer"](_tiny_head().named_parameters(), muon, "no")
     adamw = recipe_from_dict({}).train
-    assert isinstance(fresh["build_optimizer"](_tiny_head().named_parameters(), adamw), torch.optim.AdamW)
+    plain = fresh["build_optimizer"](_tiny_head().named_parameters(), adamw, "no")
+    assert isinstance(plain, torch.optim.AdamW)
 
 
 def test_muon_is_refused_where_the_matrices_are_sharded():
