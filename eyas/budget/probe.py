@@ -59,20 +59,23 @@ def measure(recipe, progress: bool = True) -> Rates:
     regen_s = 0.0
     if rg.enabled:
         out_dir = Path(recipe.paths.prepared)
+        settings = regeneration_settings(recipe, target, out_dir, progress)
         start = time.perf_counter()
         regenerated = regenerate(
             conversations,
             tok,
             regen_path,
-            regeneration_settings(recipe, target, out_dir, progress),
+            settings,
             model=target.model,
             only=probe,
         )
         regen_s = time.perf_counter() - start
-        samples = [regenerated[i] for i in probe if any(m["role"] == "assistant" for m in regenerated[i])]
+        sample_conversations = [i for i in probe if any(m["role"] == "assistant" for m in regenerated[i])]
+        samples = [regenerated[i] for i in sample_conversations]
     else:
+        sample_conversations = list(probe)
         samples = [conversations[i] for i in probe]
-    ids, _, _ = render_all(
+    ids, masks, kept = render_all(
         tok,
         samples,
         cfg.max_length,
@@ -83,6 +86,9 @@ def measure(recipe, progress: bool = True) -> Rates:
     )
     if not ids:
         raise BudgetError(f"none of the probe's {len(probe)} conversations rendered to a sample")
+    uncopied = 1.0
+    if rg.enabled and settings.states_dir is not None:
+        uncopied = _uncopied_share(settings, [sample_conversations[k] for k in kept], ids, masks)
     lengths = [len(x) for x in ids]
     tr = recipe.train
     packed = group_batches(range(len(ids)), lengths, tr.batch_tokens, tr.max_batch_size, tr.packing)
@@ -117,6 +123,7 @@ def measure(recipe, progress: bool = True) -> Rates:
         later_step_s=later_step_s,
         train_warmup_s=train_warmup_s,
         capture_s_per_token=capture_s_per_token,
+        uncopied_share=uncopied,
         decode_s_per_token=decode_s,
         stage_start_s=stage_start + 5.0,
     )
@@ -164,9 +171,21 @@ def _measure_training_only(recipe) -> Rates:
         later_step_s=later_step_s,
         train_warmup_s=max(0.0, sum(times.warmup) - len(times.warmup) * step_s),
         capture_s_per_token=0.0,
+        uncopied_share=1.0,
         decode_s_per_token=decode_s,
         stage_start_s=stage_start + 5.0,
     )
+
+
+def _uncopied_share(settings, conversations, ids, masks) -> float:
+    """The share of the probe's samples whose states the capture would compute rather than
+    copy from those the probe's regeneration kept: the capture's own test
+    (`FedStates.states_for`) on each sample."""
+    from eyas.data.fed_states import FedStates
+
+    fed = FedStates(settings.states_dir, settings.state_layer_ids, settings.target_name)
+    missed = sum(fed.states_for(c, x, m) is None for c, x, m in zip(conversations, ids, masks))
+    return missed / max(1, len(ids))
 
 
 def _decode_seconds_per_token(recipe, target, tokenizer, conversation, greedy_decode) -> float:

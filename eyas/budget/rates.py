@@ -9,10 +9,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# The share of the trained samples whose states the capture still computes when the
-# regeneration keeps its states (a reply re-encoded differently is run again); it is
-# counted as a full forward, the copies as free.
-UNCOPIED_SHARE = 0.15
 # plain greedy, then speculative decoding, which costs up to a third more than plain when
 # the head is weak (K drafts and a K+1-token verify per accepted token or two); the n-gram
 # replay reuses the plain tokens
@@ -38,6 +34,9 @@ class Rates:
     later_step_s: float  # one step of a later epoch (labels from the draft rows only)
     train_warmup_s: float  # what the first steps cost above that (the loss kernel's compile)
     capture_s_per_token: float  # a target forward with hidden states, per token
+    # of the probe's samples, the share whose states the capture still computes (1 without
+    # kept regeneration states; a reply that re-encodes to other tokens is run again)
+    uncopied_share: float
     decode_s_per_token: float  # plain batch-1 decoding at the eval's dtype
     stage_start_s: float  # what each stage spends before its work (imports, loading the target)
 
@@ -52,7 +51,7 @@ def estimate(rates: Rates, recipe, max_samples: int, epochs: float) -> dict[str,
     tokens = samples * rates.sample_tokens
     prepare = (left_to_regenerate / max(1, rates.probe_conversations)) * rates.regen_batch_s
     forward = tokens * rates.capture_s_per_token
-    captured = forward * (UNCOPIED_SHARE if cfg.regenerate.enabled and cfg.regenerate.keep_states else 1.0)
+    captured = forward * rates.uncopied_share  # the copies counted as free
     train_samples = samples * (1 - cfg.eval_fraction)
     if cfg.from_run:  # another run's prepared data and cache, as they are: train samples counted
         prepare, captured, train_samples = 0.0, 0.0, samples

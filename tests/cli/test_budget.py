@@ -5,9 +5,12 @@ import json
 from dataclasses import replace
 
 import pytest
+from support.tiny_targets import TINY_LAYERS
 
 from eyas.budget import BudgetError, Rates, choose, estimate, parse_duration, report
 from eyas.cli import main
+from eyas.data.fed_states import FED_STATES_DIR, FedStates
+from eyas.data.prepare import load_prepared
 from eyas.recipe import load_recipe
 
 QUICKSTART = "recipes/smollm2-135m-eagle3.yaml"
@@ -38,6 +41,7 @@ def rates(speed: float = 1.0) -> Rates:
         later_step_s=0.30 * speed,
         train_warmup_s=5.0 * speed,
         capture_s_per_token=1.2e-4 * speed,
+        uncopied_share=0.05,
         decode_s_per_token=0.044 * speed,
         stage_start_s=10.0,
     )
@@ -178,6 +182,16 @@ def test_probe_sizes_the_run_and_prepare_keeps_its_replies(tiny_llama_dir, tmp_p
     lines = regenerated.read_text().splitlines()
     assert lines[:16] == probe_records and len(lines) == 120
     assert len({json.loads(x)["index"] for x in lines}) == 120
+    # the capture's share of recomputed samples is the one the probe measured on its batch
+    probe_indices = {json.loads(x)["index"] for x in probe_records}
+    fed = FedStates(run / "prepared" / FED_STATES_DIR, [1, 2, 3, TINY_LAYERS], str(tiny_llama_dir))
+    rows = [
+        fed.states_for(c, x, m) is None
+        for split in load_prepared(run / "prepared").values()
+        for c, x, m in zip(split["conversation"], split["input_ids"], split["loss_mask"])
+        if c in probe_indices
+    ]
+    assert len(rows) >= 12 and r["uncopied_share"] == pytest.approx(sum(rows) / len(rows))
     capsys.readouterr()
     assert (
         main(
@@ -198,6 +212,25 @@ def test_probe_sizes_the_run_and_prepare_keeps_its_replies(tiny_llama_dir, tmp_p
     table = capsys.readouterr().out
     assert "prepare" in table and "within the budget of 20 min" in table
     assert json.loads((run / "budget.json").read_text())["took_s"] == {"setup": 30.0, "prepare": 12.5}
+
+
+def test_the_probe_counts_the_samples_the_capture_would_run_again(tmp_path):
+    """A sample whose tokens part from what regeneration fed before its last reply token
+    is captured by running the target; the probe's share counts exactly those."""
+    import torch
+
+    from eyas.budget.probe import _uncopied_share
+    from eyas.data.fed_states import write_fed_states
+    from eyas.data.regenerate_settings import RegenerationSettings
+
+    fed = {c: ([1, 2, 3, 4, 5], torch.zeros(5, 4)) for c in (10, 11, 12, 13)}
+    write_fed_states(tmp_path, fed, [1, 2], "t")
+    settings = RegenerationSettings(states_dir=tmp_path, state_layer_ids=[1, 2], target_name="t")
+    masks = [[0, 0, 1, 1, 1]] * 4
+    same, parted = [1, 2, 3, 4, 5], [1, 2, 9, 4, 5]  # re-encoded differently inside the reply
+    assert _uncopied_share(settings, [10, 11, 12, 13], [same, same, parted, same], masks) == 0.25
+    # a conversation the regeneration kept no states for is run too
+    assert _uncopied_share(settings, [10, 11, 12, 99], [same] * 4, masks) == 0.25
 
 
 def test_the_budget_needs_a_limit_to_size(tiny_llama_dir, tmp_path, capsys):
