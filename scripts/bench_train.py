@@ -44,46 +44,9 @@ import statistics
 import time
 
 import torch
+from bench_train_common import load_bench_data, recipe_of, train_step, trainable
 
 from eyas.core.allocator import keep_freed_memory
-
-
-def sharegpt_batches(tokenizer, n_batches: int, batch: int, seq: int):
-    """Rendered ShareGPT conversations cut to `seq` tokens, `batch` per micro-batch."""
-    from eyas.data.conversations import read_conversations
-    from eyas.data.templates import TemplateError, render_with_mask
-    from eyas.train.batching import collate
-
-    convs, _ = read_conversations(["sharegpt"], max_samples=n_batches * batch * 4)
-    samples = []
-    for c in convs:
-        try:
-            r = render_with_mask(tokenizer, c, "all", 1 << 16)
-        except TemplateError:
-            continue
-        if len(r.input_ids) >= seq and sum(r.loss_mask[:seq]) > seq // 4:
-            samples.append({"input_ids": r.input_ids[:seq], "loss_mask": r.loss_mask[:seq]})
-        if len(samples) == n_batches * batch:
-            break
-    return [collate(samples[i : i + batch]) for i in range(0, len(samples), batch)]
-
-
-def load_bench_data(args):
-    """The target, the ShareGPT batches (one warm-up + `args.steps`), their masked-token
-    counts and whether the head runs under bf16 autocast."""
-    from eyas.core.precision import resolve_mixed_precision
-    from eyas.data.samples import token_frequencies
-    from eyas.target.load import load_target
-
-    target = load_target("smollm2-135m", args.dtype, "cpu")
-    bf16_autocast = resolve_mixed_precision(args.mixed_precision, "cpu") == "bf16"
-    batches = sharegpt_batches(target.tokenizer, args.steps + 1, args.batch, args.seq)
-    freqs = token_frequencies(
-        [b.tolist() for x in batches for b in x["input_ids"]],
-        [m.tolist() for x in batches for m in x["loss_mask"]],
-        target.vocab_size,
-    )
-    return target, batches, freqs, bf16_autocast
 
 
 def target_flops_per_token(model, seq: int) -> float:
@@ -176,27 +139,26 @@ def main() -> None:
     args = ap.parse_args()
     keep_freed_memory()  # as every `eyas` command does
     if args.one_length:
+        from bench_train_lengths import one_length
+
         print(json.dumps(one_length(args)))
         return
     if args.seq_lens:
+        from bench_train_lengths import bench_lengths
+
         bench_lengths(args)
         return
     if args.algorithms:
+        from bench_train_algorithms import compare_algorithms
+
         compare_algorithms(args)
         return
     loadavg_before = os.getloadavg()[0]
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from eyas.heads.algorithms import get_algorithm
-    from eyas.recipe import load_recipe
-    from eyas.train.build import HeadWithLoss, build_trainable_head, frozen_output, head_config_for
-    from eyas.train.feed import FeatureSource
-    from eyas.train.optimizers import build_optimizer
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    recipe = load_recipe(
-        os.path.join(root, "recipes", "smollm2-135m-eagle3.yaml"),
+    recipe = recipe_of(
+        "eagle3",
         [
             f"train.eagle3.ttt_steps={args.ttt}",
             f"head.draft_vocab_size={args.draft_vocab}",
@@ -206,19 +168,8 @@ def main() -> None:
     )
     target, batches, freqs, bf16_autocast = load_bench_data(args)
     vt = target.vocab_size
-    torch.manual_seed(0)
-    head = build_trainable_head(head_config_for(recipe, target.config), target.model, freqs)
-    features = FeatureSource(
-        target.model,
-        list(head.config.aux_layer_ids),
-        frozen_output(target.model),
-        head,
-        label_prompts=recipe.train.label_prompts,  # label the slots the trainer labels
-    )
-    model = HeadWithLoss(head, get_algorithm("eagle3").loss_function(), recipe.train)
-    params = [p for p in model.parameters() if p.requires_grad]
-    # the recipe's optimizer (Muon's step is part of a step's time), iterating as the run would
-    opt = build_optimizer(model.named_parameters(), recipe.train, "bf16" if bf16_autocast else "no")
+    run = trainable(recipe, target, freqs, bf16_autocast)
+    head, features = run["head"], run["features"]
     tokens = [int(b["attention_mask"].sum()) for b in batches]
     timed_tokens = sum(tokens[1:])
 
@@ -227,22 +178,11 @@ def main() -> None:
     # the offline "cache": aux / last per batch, kept in memory
     cached = [features.complete(dict(b))[0] for b in batches]
 
-    def step(batch):
-        full, labels = features.complete(batch)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
-            stats = model(full, labels, None)
-        stats.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, recipe.train.max_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
     def timed(mode: str, b: dict) -> float:
-        b = dict(b)
-        t0 = time.perf_counter()
-        if mode == "forward":  # the pure target forward, without labels
-            compute_features(target.model, b["input_ids"], b["attention_mask"], head.config.aux_layer_ids)
-        else:
-            step(b)
+        if mode != "forward":  # offline: the cached states; online: the target runs in the step
+            return train_step(run, b)
+        t0 = time.perf_counter()  # the pure target forward, without labels
+        compute_features(target.model, b["input_ids"], b["attention_mask"], head.config.aux_layer_ids)
         return time.perf_counter() - t0
 
     modes = ["forward"] + [m for m in args.modes.split(",") if m]
@@ -308,215 +248,6 @@ def main() -> None:
     }
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["settings"]["loadavg_after"] = os.getloadavg()[0]
-    print(json.dumps(result, indent=1))
-
-
-def one_length(args) -> dict:
-    """One process, one length: build the step, one warm-up step, `args.steps` timed ones."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_head_step import target_config
-
-    from eyas.train.step_timing import build_head_step, synthetic_batch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    n = args.one_length
-    recipe = _recipe_of("eagle3", [f"train.eagle3.ttt_steps={args.ttt}", *args.override])
-    cfg_t = target_config("smollm2-135m")
-    device = torch.device(args.device)
-    step = build_head_step(recipe, cfg_t, "smollm2-135m", device, rows=n)
-    gen = torch.Generator().manual_seed(0)
-    batch = synthetic_batch(1, n, cfg_t.vocab_size, step.aux_width, cfg_t.hidden_size, device, gen, [n])
-    if args.repeat_every:
-        period = batch["input_ids"][:, : args.repeat_every]
-        batch["input_ids"] = period.repeat(1, -(-n // args.repeat_every))[:, :n]
-
-    import threading
-
-    import psutil
-
-    # CPU: the RSS sampled every 2 ms while the steps run (the process's own peak RSS is
-    # mostly the setup's); CUDA: the allocator's peak
-    proc, samples, done = psutil.Process(), [], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            samples.append(proc.memory_info().rss)
-            done.wait(0.002)
-
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device) / 2**20
-    else:
-        before = proc.memory_info().rss / 2**20
-        threading.Thread(target=sample, daemon=True).start()
-    seconds = []
-    for i in range(args.warmup + args.steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step.run(batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= args.warmup:
-            seconds.append(round(time.perf_counter() - t0, 3))
-    done.set()
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else max(samples) / 2**20
-    return {
-        "seq": n,
-        "step_seconds": seconds,
-        "tokens_per_s": n / statistics.median(seconds),
-        "peak_memory_mb": round(peak, 1),
-        "growth_mb": round(peak - before, 1),
-    }
-
-
-def bench_lengths(args) -> None:
-    """`--seq-lens`: each length in a child process (a CPU's peak RSS is per process)."""
-    import subprocess
-    import sys
-
-    lengths = [int(x) for x in args.seq_lens.split(",") if x]
-    base = [sys.executable, os.path.abspath(__file__), "--steps", str(args.steps), "--ttt", str(args.ttt)]
-    base += ["--warmup", str(args.warmup), "--repeat-every", str(args.repeat_every)]
-    base += ["--device", args.device] + (["--threads", str(args.threads)] if args.threads else [])
-    base += [f"--override={o}" for o in args.override]
-    loadavg_before = os.getloadavg()[0]
-    results = []
-    for n in lengths:
-        done = subprocess.run([*base, "--one-length", str(n)], capture_output=True, text=True)
-        if done.returncode:
-            results.append({"seq": n, "error": done.stderr.strip().splitlines()[-1:]})
-            continue
-        row = json.loads(done.stdout.strip().splitlines()[-1])
-        row["growth_mb_per_1k_tokens"] = round(1024 * row["growth_mb"] / n, 2)
-        results.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)  # each length as it finishes
-    device = (
-        torch.cuda.get_device_name(0) if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    )
-    print(
-        json.dumps(
-            {
-                "settings": {
-                    "recipe": "recipes/smollm2-135m-eagle3.yaml",
-                    "overrides": [f"train.eagle3.ttt_steps={args.ttt}", *args.override],
-                    "repeat_every": args.repeat_every,
-                    "timed_steps": args.steps,
-                    "warmup_steps": args.warmup,
-                    "device": device,
-                    "loadavg_before": loadavg_before,
-                    "loadavg_after": os.getloadavg()[0],
-                    "torch": torch.__version__,
-                },
-                "lengths": results,
-            },
-            indent=1,
-        )
-    )
-
-
-def _recipe_of(algorithm: str, overrides: list[str]):
-    from eyas.recipe import load_recipe
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return load_recipe(os.path.join(root, "recipes", f"smollm2-135m-{algorithm}.yaml"), overrides)
-
-
-def compare_algorithms(args) -> None:
-    """Each head's optimizer step on the same offline batches, the heads taking turns batch
-    by batch (this CPU's speed drifts over minutes; turns keep the ratio fair)."""
-    from eyas.heads.algorithms import get_algorithm
-    from eyas.train.build import HeadWithLoss, build_trainable_head, frozen_output, head_config_for
-    from eyas.train.feed import FeatureSource
-    from eyas.train.optimizers import build_optimizer
-
-    loadavg_before = os.getloadavg()[0]
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    specs = [(a, a, []) for a in args.algorithms.split(",") if a]
-    for v in args.variant:
-        name, _, rest = v.partition(":")
-        overrides = [o for o in rest.split(",") if o]
-        algo = next((o.split("=", 1)[1] for o in overrides if o.startswith("head.algorithm=")), "eagle3")
-        specs.append((name, algo, [o for o in overrides if not o.startswith("head.algorithm=")]))
-    recipes = {name: _recipe_of(algo, overrides) for name, algo, overrides in specs}
-    target, batches, freqs, bf16_autocast = load_bench_data(args)
-    runs = {}
-    for name, recipe in recipes.items():
-        torch.manual_seed(0)
-        cfg = head_config_for(recipe, target.config, tokenizer=target.tokenizer, token_freqs=freqs)
-        head = build_trainable_head(cfg, target.model, freqs)
-        features = FeatureSource(
-            target.model,
-            list(cfg.aux_layer_ids),
-            frozen_output(target.model),
-            head,
-            label_prompts=recipe.train.label_prompts,
-        )
-        model = HeadWithLoss(head, get_algorithm(cfg.algorithm).loss_function(), recipe.train)
-        params = [p for p in model.parameters() if p.requires_grad]
-        cached = [features.complete(dict(b))[0] for b in batches]  # the offline cache, in memory
-        runs[name] = dict(
-            recipe=recipe,
-            features=features,
-            model=model,
-            params=params,
-            opt=build_optimizer(model.named_parameters(), recipe.train, "bf16" if bf16_autocast else "no"),
-            cached=cached,
-            generator=torch.Generator().manual_seed(0),
-        )
-
-    def step(run: dict, i: int) -> float:
-        t0 = time.perf_counter()
-        full, labels = run["features"].complete(dict(run["cached"][i]))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
-            stats = run["model"](full, labels, run["generator"])
-        stats.loss.backward()
-        torch.nn.utils.clip_grad_norm_(run["params"], run["recipe"].train.max_grad_norm)
-        run["opt"].step()
-        run["opt"].zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
-
-    names = list(runs)
-    for name in names:  # warm-up, untimed
-        step(runs[name], 0)
-    seconds = {n: [0.0] * args.rounds for n in names}
-    turn = 0
-    for r in range(args.rounds):
-        for i in range(1, len(batches)):
-            for name in names[turn % len(names) :] + names[: turn % len(names)]:
-                seconds[name][r] += step(runs[name], i)
-            turn += 1
-    tokens = sum(int(b["attention_mask"].sum()) for b in batches[1:])
-    per_token = {n: min(seconds[n]) / tokens for n in names}
-    result = {
-        "settings": {
-            "heads": {
-                n: {
-                    "algorithm": runs[n]["recipe"].head.algorithm,
-                    "num_layers": runs[n]["recipe"].head.num_layers,
-                    "train": runs[n]["recipe"].train.section(runs[n]["recipe"].head.algorithm).model_dump(),
-                }
-                for n in names
-            },
-            "seq": args.seq,
-            "batch": args.batch,
-            "timed_steps": args.steps,
-            "rounds": args.rounds,
-            "threads": torch.get_num_threads(),
-            "loadavg_before": loadavg_before,
-            "loadavg_after": os.getloadavg()[0],
-            "target_dtype": str(target.model.dtype).removeprefix("torch."),
-            "bf16_autocast": bf16_autocast,
-        },
-        "seconds_per_token": per_token,
-        "ratio_to_first": {n: per_token[n] / per_token[names[0]] for n in names},
-        "seconds": seconds,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }
     print(json.dumps(result, indent=1))
 
 
