@@ -177,7 +177,21 @@ def run_eval(
         "per_context": {n: summarize_by_context(t, k, settings.context_buckets) for n, t in traces.items()},
         "replayed": sorted(replay),
         "lossless": lossless_verdict(mismatches, checked, tol, exact, model.dtype),
+        # the tokens the target wrote here that a head can propose at all (its draft vocabulary)
+        "draft_vocab_coverage": _draft_vocab_coverage(drafters, plain_traces, model.config.vocab_size),
     }
+
+
+def _draft_vocab_coverage(drafters: dict, plain_traces, vocab_size: int) -> dict[str, float]:
+    """{head drafter: the share of the plain outputs' tokens its draft vocabulary holds}."""
+    from eyas.train.build import draft_vocab_coverage
+
+    written = [t for tr in plain_traces for t in tr.tokens]
+    if not written:
+        return {}
+    counts = torch.bincount(torch.tensor(written, dtype=torch.long), minlength=vocab_size)
+    heads = {name: getattr(d, "head", None) for name, d in drafters.items()}
+    return {name: draft_vocab_coverage(h, counts) for name, h in heads.items() if h is not None}
 
 
 # --- the stage: a recipe's evaluation -------------------------------------------------

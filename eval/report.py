@@ -22,6 +22,9 @@ from eyas.eval.context_buckets import DEFAULT_EDGES, context_lines, plot_by_cont
 # poorly. Judged at position 1, not by TAR: TAR falls with K as deep positions decay, so
 # at K = 5 a head at tau 2.4 (a1 57%) has a TAR of only 28%.
 LOW_FIRST_ACCEPTANCE = 0.30
+# A draft vocabulary holding less of what the target writes caps every position's
+# acceptance at that share.
+LOW_VOCAB_COVERAGE = 0.80
 REPORT_NAME = RunPaths.EVAL_REPORT
 
 
@@ -147,6 +150,13 @@ def verdicts(report: dict) -> list[str]:
             "not worth serving; use vLLM's n-gram drafter instead"
         )
     lines += _slower_than_plain(report)
+    for name, share in (report.get("draft_vocab_coverage") or {}).items():
+        if share < LOW_VOCAB_COVERAGE:
+            lines.append(
+                f"WARNING: {name}'s draft vocabulary holds {share:.1%} of the tokens the target wrote on "
+                f"this workload, below {LOW_VOCAB_COVERAGE:.0%}: it can never propose the rest (a larger "
+                "head.draft_vocab_size, or a vocabulary counted on this workload's data)"
+            )
     lossless = report.get("lossless", {})
     for m in lossless.get("mismatches", []):
         kind = (
@@ -259,11 +269,20 @@ def format_report(report: dict) -> str:
             )
         )
     lines += context_lines(report)
+    lines += _coverage_lines(report)
     lossless = report.get("lossless")
     if lossless and lossless.get("checked"):
         lines.append(lossless_line(lossless))
     lines += verdicts(report)
     return "\n".join(lines)
+
+
+def _coverage_lines(report: dict) -> list[str]:
+    coverage = report.get("draft_vocab_coverage") or {}
+    if not coverage:
+        return []
+    held = ", ".join(f"{n} {share:.1%}" for n, share in coverage.items())
+    return [f"draft vocabulary: the share of the target's tokens here it holds: {held}"]
 
 
 def lossless_line(lossless: dict) -> str:
@@ -302,7 +321,7 @@ def markdown(report: dict) -> str:
         "tau = tokens per target forward; a_k = acceptance of draft position k given 1..k-1 accepted; "
         "TAR = accepted / proposed; tok/s measured on this machine.",
     ]
-    md += [f"- {n}" for n in _replay_notes(report) + _paired_lines(report)]
+    md += [f"- {n}" for n in _replay_notes(report) + _paired_lines(report) + _coverage_lines(report)]
     by_context = context_lines(report)
     if by_context:
         md += ["", "```", *by_context, "```"]
