@@ -282,7 +282,7 @@ def _coverage_lines(report: dict) -> list[str]:
     if not coverage:
         return []
     held = ", ".join(f"{n} {share:.1%}" for n, share in coverage.items())
-    return [f"draft vocabulary: the share of the target's tokens here it holds: {held}"]
+    return [f"draft vocabulary coverage (the target's tokens here a head could propose): {held}"]
 
 
 def lossless_line(lossless: dict) -> str:

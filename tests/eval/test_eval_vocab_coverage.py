@@ -50,7 +50,7 @@ def test_the_report_says_how_much_of_the_targets_output_a_head_could_draft(tiny_
     assert coverage["all"] == 1.0 and coverage["none"] == 0.0 and 0.0 < coverage["half"] < 1.0
     assert body["lossless"]["passed"]
     text = format_report({**body, "k": 3, "temperature": 0.0, "target": "t", "workload": "w", "head": None})
-    assert "draft vocabulary" in text and "all 100.0%" in text
+    assert "draft vocabulary coverage" in text and "all 100.0%, none 0.0%" in text
     warnings = [
         line for line in text.splitlines() if line.startswith("WARNING") and "draft vocabulary" in line
     ]
