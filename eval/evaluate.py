@@ -184,7 +184,7 @@ def run_eval(
 
 def _draft_vocab_coverage(drafters: dict, plain_traces, vocab_size: int) -> dict[str, float]:
     """{head drafter: the share of the plain outputs' tokens its draft vocabulary holds}."""
-    from eyas.train.build import draft_vocab_coverage
+    from eyas.heads.vocab import draft_vocab_coverage
 
     written = [t for tr in plain_traces for t in tr.tokens]
     if not written:

@@ -56,3 +56,26 @@ def build_vocab_map(freqs: torch.Tensor, draft_vocab_size: int) -> VocabMap | No
     t2d = torch.zeros(vt, dtype=torch.bool)
     t2d[used] = True
     return VocabMap(d2t=d2t, t2d=t2d)
+
+
+def fit_frequencies(freqs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Token counts [>=Vt or <Vt] -> [Vt]: ids past the target's vocabulary (tokenizer
+    extras) cannot be drafted; missing ids count 0."""
+    freqs = torch.as_tensor(freqs).flatten()
+    if freqs.numel() >= vocab_size:
+        return freqs[:vocab_size]
+    return torch.cat([freqs, freqs.new_zeros(vocab_size - freqs.numel())])
+
+
+def draft_vocab_coverage(head, freqs: torch.Tensor | None) -> float | None:
+    """The share of the tokens counted in `freqs` [Vt counts] that a head's draft vocabulary
+    (its `t2d`) holds; None without counts."""
+    if freqs is None:
+        return None
+    counts = fit_frequencies(freqs, head.config.vocab_size).double()
+    total = float(counts.sum())
+    if total == 0:
+        return None
+    if not head.config.uses_vocab_map:
+        return 1.0
+    return float(counts[head.t2d.cpu()].sum()) / total

@@ -14,7 +14,7 @@ from eyas.heads.algorithms import build_head, get_algorithm
 from eyas.heads.config import DraftHeadConfig, head_config_from_target
 from eyas.heads.eagle3 import Eagle3Head
 from eyas.heads.peagle import choose_mask_token_id
-from eyas.heads.vocab import build_vocab_map
+from eyas.heads.vocab import build_vocab_map, draft_vocab_coverage, fit_frequencies
 from eyas.target.features import default_aux_layer_ids, target_norm_and_lm_head
 from eyas.target.load import text_config
 
@@ -84,15 +84,6 @@ def head_config_for(
         speculative_tokens=h.speculative_tokens,
         sliding_window=h.sliding_window,
     )
-
-
-def fit_frequencies(freqs: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Token counts [>=Vt or <Vt] -> [Vt]: ids past the target's vocabulary (tokenizer
-    extras) cannot be drafted; missing ids count 0."""
-    freqs = torch.as_tensor(freqs).flatten()
-    if freqs.numel() >= vocab_size:
-        return freqs[:vocab_size]
-    return torch.cat([freqs, freqs.new_zeros(vocab_size - freqs.numel())])
 
 
 def build_trainable_head(
@@ -288,19 +279,6 @@ def head_from_checkpoint(
         layer.self_attn.o_proj.weight.zero_()
         layer.mlp.down_proj.weight.zero_()
     return head, fresh
-
-
-def draft_vocab_coverage(head: Eagle3Head, freqs: torch.Tensor | None) -> float | None:
-    """The share of the data's trained tokens [Vt counts] the head's draft vocabulary holds."""
-    if freqs is None:
-        return None
-    counts = fit_frequencies(freqs, head.config.vocab_size).double()
-    total = float(counts.sum())
-    if total == 0:
-        return None
-    if not head.config.uses_vocab_map:
-        return 1.0
-    return float(counts[head.t2d.cpu()].sum()) / total
 
 
 def initial_head(
