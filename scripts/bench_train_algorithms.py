@@ -14,8 +14,6 @@ from bench_train_common import load_bench_data, recipe_of, train_step, trainable
 def compare_algorithms(args) -> None:
     """Each head's optimizer step on the same offline batches, the heads taking turns batch
     by batch (this CPU's speed drifts over minutes; turns keep the ratio fair)."""
-    from eyas.train.build import head_config_for
-
     loadavg_before = os.getloadavg()[0]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -29,8 +27,7 @@ def compare_algorithms(args) -> None:
     target, batches, freqs, bf16_autocast = load_bench_data(args)
     runs = {}
     for name, recipe in recipes.items():
-        cfg = head_config_for(recipe, target.config, tokenizer=target.tokenizer, token_freqs=freqs)
-        run = trainable(recipe, target, freqs, bf16_autocast, head_config=cfg)
+        run = trainable(recipe, target, freqs, bf16_autocast)
         run["cached"] = [run["features"].complete(dict(b))[0] for b in batches]  # the offline cache
         runs[name] = run
 

@@ -56,7 +56,7 @@ def recipe_of(algorithm: str, overrides: list[str]):
     return load_recipe(os.path.join(ROOT, "recipes", f"smollm2-135m-{algorithm}.yaml"), overrides)
 
 
-def trainable(recipe, target, freqs, bf16_autocast: bool, head_config=None) -> dict:
+def trainable(recipe, target, freqs, bf16_autocast: bool) -> dict:
     """The recipe's head on `target` as the trainer builds it: its feature source (labels on
     the slots the trainer labels), loss, parameters and optimizer (Muon's step is part of a
     step's time, iterating in the dtype the run would)."""
@@ -66,7 +66,8 @@ def trainable(recipe, target, freqs, bf16_autocast: bool, head_config=None) -> d
     from eyas.train.optimizers import build_optimizer
 
     torch.manual_seed(0)
-    cfg = head_config or head_config_for(recipe, target.config)
+    # the tokenizer and counts choose a P-EAGLE head's mask token, as the trainer does
+    cfg = head_config_for(recipe, target.config, tokenizer=target.tokenizer, token_freqs=freqs)
     head = build_trainable_head(cfg, target.model, freqs)
     features = FeatureSource(
         target.model,

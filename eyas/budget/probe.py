@@ -73,7 +73,6 @@ def measure(recipe, progress: bool = True) -> Rates:
         sample_conversations = [i for i in probe if any(m["role"] == "assistant" for m in regenerated[i])]
         samples = [regenerated[i] for i in sample_conversations]
     else:
-        sample_conversations = list(probe)
         samples = [conversations[i] for i in probe]
     ids, masks, kept = render_all(
         tok,
