@@ -19,7 +19,7 @@ import torch
 from eyas.core.assets import packaged_file
 from eyas.core.decode_attention import choose_gqa_sdpa_on_cpu
 from eyas.core.precision import resolve_dtype, shapes_of_config
-from eyas.target.quantized import check_still_quantized, quantization_kwargs
+from eyas.target.quantized import check_still_quantized, kernel_fetch_error, quantization_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ def load_target(
     attn = attention_implementation(config, attn_implementation, dev.type)
     log.info("target %s: attention %s on %s", name_or_path, attn, dev)
     chosen = resolve_dtype(dtype, dev, shapes_of_config(config, work_rows) if dtype == "auto" else None)
-    quantized = quantization_kwargs(config, dev.type, dequantize, name_or_path)
+    quantized = quantization_kwargs(config, dev.type, dequantize, name_or_path, layers_read=decoder_layers)
     # Every rank reads its shards straight onto its own GPU: without a device_map each of 8
     # ranks would first build the whole model in host memory.
     placed = {"device_map": {"": dev}} if dev.type != "cpu" else {}
@@ -278,13 +278,18 @@ def load_target(
             trust_remote_code=trust_remote_code,
             # transformers swaps layers for kernels fetched from the Hub unless told not to:
             # code from the Hub the user never asked for, and on an offline GPU node a failed
-            # load. The MXFP4 experts' kernels are the quantizer's and stay (target/quantized.py).
+            # load. The MXFP4 experts' kernel is the quantizer's and stays; a failed fetch of it is
+            # reported by `kernel_fetch_error` (target/quantized.py).
             use_kernels=False,
             **placed,
             **quantized,
         )
-    except OSError as err:
-        raise TargetLoadError(_unloadable(name_or_path, "weights", err)) from None
+    except Exception as err:
+        if (fetch := kernel_fetch_error(err, config, name_or_path)) is not None:
+            raise fetch from err
+        if isinstance(err, OSError):
+            raise TargetLoadError(_unloadable(name_or_path, "weights", err)) from None
+        raise
     finally:
         report.removeFilter(quiet)
     if decoder_layers:

@@ -4,13 +4,17 @@ needs are missing (MXFP4: triton and the `kernels` package); GPT-OSS-120B then t
 ~234 GB instead of ~65 GB per rank and the run dies later, out of memory. So eyas checks
 the kernels before loading and refuses, naming what to install, unless
 `target.dequantize: true` accepts bf16; and checks after loading that the weights are
-still quantized.
+still quantized. A load that reads no decoder layer (a trainer fed states by a cache) reads
+no quantized weight, so it needs no kernel and is never refused. transformers fetches the
+MXFP4 kernel from the Hugging Face Hub at load; a failed fetch (an offline GPU node) is
+reported as such, with the remedies, instead of the kernels package's own message.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 
 import torch
 
@@ -63,12 +67,24 @@ def missing_kernels(method: str, device_type: str) -> list[str]:
     return []
 
 
-def quantization_kwargs(config, device_type: str, dequantize: bool, name: str) -> dict:
+def quantization_kwargs(
+    config, device_type: str, dequantize: bool, name: str, layers_read: bool = True
+) -> dict:
     """`from_pretrained` keyword arguments for a (possibly) quantized checkpoint: none for a
     plain one; the format's own config with dequantize=True when the user accepts bf16;
-    raises QuantizationError naming what to install when its kernels are missing."""
+    raises QuantizationError naming what to install when its kernels are missing.
+    `layers_read=False` (no decoder layer is built, so no quantized weight is read): never
+    refused, and MXFP4 is told to dequantize, which is the one way transformers skips
+    fetching its kernel."""
     method = quant_method(config)
     if method is None:
+        return {}
+    if not layers_read:
+        log.debug("target %s: no decoder layer is read, so none of its %s weights", name, method)
+        if method == "mxfp4":
+            from transformers import Mxfp4Config
+
+            return {"quantization_config": Mxfp4Config(dequantize=True)}
         return {}
     if dequantize:
         log.warning(
@@ -92,6 +108,41 @@ def quantization_kwargs(config, device_type: str, dequantize: bool, name: str) -
             "target.dequantize: true to accept bf16"
         )
     return {}
+
+
+def _raised_by_hub_kernels(err: BaseException) -> bool:
+    """Whether `err` (or an exception it chains) was raised while fetching a kernel from the
+    Hub: a frame of the `kernels` package or of transformers' hub_kernels."""
+    seen = err
+    while seen is not None:
+        tb = seen.__traceback__
+        while tb is not None:
+            module = tb.tb_frame.f_globals.get("__name__", "")
+            if module.startswith("kernels.") or module == "transformers.integrations.hub_kernels":
+                return True
+            tb = tb.tb_next
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def kernel_fetch_error(err: BaseException, config, name: str) -> QuantizationError | None:
+    """The error to raise for a quantized load that failed fetching its kernel from the Hub
+    (None: `err` is something else). The kernels package blames publisher trust when it
+    cannot reach the Hub at all; trusting remote code would not fix that, so the message
+    says what would."""
+    method = quant_method(config)
+    if method is None or not _raised_by_hub_kernels(err):
+        return None
+    repo = re.search(r"'([\w.-]+/[\w.-]+)'", str(err))
+    kernel = f"the kernel {repo.group(1)}" if repo else "its kernel"
+    return QuantizationError(
+        f"target {name}: transformers loads its {method} weights quantized with {kernel}, fetched "
+        f"from the Hugging Face Hub, and the fetch failed: {err} "
+        "Where the Hub cannot be reached, load the target once on a machine that reaches it (the "
+        "kernel lands in the Hugging Face cache, HF_HOME), copy that cache here and set "
+        "HF_HUB_OFFLINE=1; or set target.dequantize: true to load bf16 weights (about 4x the "
+        "experts' memory). Trusting remote code does not help an unreachable Hub."
+    )
 
 
 def check_still_quantized(model: torch.nn.Module, config, dequantize: bool, name: str) -> None:

@@ -33,6 +33,58 @@ def test_a_quantized_target_whose_kernels_are_missing_is_refused(mxfp4_gpt_oss_d
         load_target(str(mxfp4_gpt_oss_dir), dtype="bfloat16", device="cuda:0")
 
 
+def test_a_trainer_reading_no_layer_loads_a_quantized_target_without_its_kernels(
+    mxfp4_gpt_oss_dir, monkeypatch
+):
+    """The trainer fed states by a cache builds no decoder layer: it reads no MXFP4 weight,
+    so a node without triton / kernels loads the embeddings, norm and LM head it needs."""
+    from safetensors.torch import load_file
+
+    import eyas.target.quantized as quantized
+
+    monkeypatch.setattr(quantized, "_triton_at_least", lambda version: False)
+    monkeypatch.setattr(quantized, "_installed", lambda module: False)
+    with pytest.raises(QuantizationError, match="lacks"):  # a load that reads the experts
+        load_target(str(mxfp4_gpt_oss_dir), dtype="float32", device="cpu")
+    target = load_target(str(mxfp4_gpt_oss_dir), dtype="float32", device="cpu", decoder_layers=False)
+    saved = load_file(str(mxfp4_gpt_oss_dir / "model.safetensors"))
+    assert len(target.model.model.layers) == 0
+    assert target.model.config.num_hidden_layers == len({k.split(".")[2] for k in saved if ".layers." in k})
+    torch.testing.assert_close(
+        target.model.get_input_embeddings().weight, saved["model.embed_tokens.weight"].float()
+    )
+    torch.testing.assert_close(target.model.model.norm.weight, saved["model.norm.weight"].float())
+
+
+def test_a_failed_kernel_fetch_is_reported_with_its_remedies(mxfp4_gpt_oss_dir, monkeypatch):
+    """transformers fetches the MXFP4 kernel from the Hub while loading; on an offline node
+    the kernels package's own error is raised (here for real: the tests run offline)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.hub_kernels import get_kernel
+
+    import eyas.target.quantized as quantized
+
+    def load_fetching_the_kernel(*args, **kwargs):
+        get_kernel("kernels-community/gpt-oss-triton-kernels", version=1)  # as transformers' mxfp4 loader
+        raise AssertionError("the kernel is not in this machine's cache: the fetch should have failed")
+
+    monkeypatch.setattr(quantized, "missing_kernels", lambda method, device_type: [])
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", load_fetching_the_kernel)
+    with pytest.raises(QuantizationError) as caught:
+        load_target(str(mxfp4_gpt_oss_dir), dtype="bfloat16", device="cpu")
+    message = str(caught.value)
+    assert "kernels-community/gpt-oss-triton-kernels" in message
+    assert "HF_HUB_OFFLINE=1" in message and "target.dequantize: true" in message
+    assert isinstance(caught.value.__cause__, ValueError)  # the kernels package's error, kept as the cause
+
+    def load_failing_otherwise(*args, **kwargs):
+        raise ValueError("some other load failure")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", load_failing_otherwise)
+    with pytest.raises(ValueError, match="some other load failure"):  # not dressed up as a kernel fetch
+        load_target(str(mxfp4_gpt_oss_dir), dtype="bfloat16", device="cpu")
+
+
 def test_a_target_that_loaded_dequantized_is_refused_unless_accepted(mxfp4_gpt_oss_dir):
     from support.tiny_targets import build_tiny_model
     from transformers import AutoConfig
