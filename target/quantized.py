@@ -140,8 +140,8 @@ def kernel_fetch_error(err: BaseException, config, name: str) -> QuantizationErr
         f"from the Hugging Face Hub, and the fetch failed: {err} "
         "Where the Hub cannot be reached, load the target once on a machine that reaches it (the "
         "kernel lands in the Hugging Face cache, HF_HOME), copy that cache here and set "
-        "HF_HUB_OFFLINE=1; or set target.dequantize: true to load bf16 weights (about 4x the "
-        "experts' memory). Trusting remote code does not help an unreachable Hub."
+        "HF_HUB_OFFLINE=1; or set target.dequantize: true to load them as bf16 (their bf16 size "
+        "in memory). Trusting remote code does not help an unreachable Hub."
     )
 
 
