@@ -113,8 +113,9 @@ def quantization_kwargs(
 def _raised_by_hub_kernels(err: BaseException) -> bool:
     """Whether `err` (or an exception it chains) was raised while fetching a kernel from the
     Hub: a frame of the `kernels` package or of transformers' hub_kernels."""
-    seen = err
-    while seen is not None:
+    seen, visited = err, set()
+    while seen is not None and id(seen) not in visited:
+        visited.add(id(seen))
         tb = seen.__traceback__
         while tb is not None:
             module = tb.tb_frame.f_globals.get("__name__", "")
