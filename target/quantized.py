@@ -79,17 +79,11 @@ def quantization_kwargs(
     method = quant_method(config)
     if method is None:
         return {}
-    if not layers_read:
-        log.debug("target %s: no decoder layer is read, so none of its %s weights", name, method)
-        if method == "mxfp4":
-            from transformers import Mxfp4Config
-
-            return {"quantization_config": Mxfp4Config(dequantize=True)}
-        return {}
-    if dequantize:
-        log.warning(
-            "target %s: %s weights dequantized to bf16 on load (target.dequantize: true)", name, method
-        )
+    if dequantize or not layers_read:
+        if layers_read:  # the user accepted bf16; with no layer read nothing is dequantized
+            log.warning(
+                "target %s: %s weights dequantized to bf16 on load (target.dequantize: true)", name, method
+            )
         if method == "mxfp4":
             from transformers import Mxfp4Config
 
