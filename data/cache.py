@@ -228,6 +228,20 @@ class FeatureCache:
     def verify(self) -> list[str]:
         return verify_cache(self.dir)
 
+    def sample_rows(self) -> list[int]:
+        """The prepared-split row of every cached sample, in cache order, read from each
+        shard's `sample_index` alone (the shards' checksums are checked when they are read)."""
+        from safetensors import safe_open
+
+        rows: list[int] = []
+        for meta in self.manifest["shards"]:
+            f = self.dir / meta["file"]
+            if not f.is_file():
+                raise DamagedShardError(f"{f}: missing")
+            with safe_open(str(f), "pt") as shard:
+                rows += shard.get_tensor("sample_index").tolist()
+        return rows
+
     def __getitem__(self, i: int) -> dict:
         if not 0 <= i < len(self):
             raise IndexError(i)

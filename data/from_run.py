@@ -1,5 +1,6 @@
 """Another run's data (data.from_run, DESIGN §2.3): a run that trains on the prepared data
-and feature cache of another run checks them here and never writes there."""
+and feature cache of another run checks them here and never writes there, and trains on
+the samples of that run's first `data.max_samples` conversations."""
 
 from __future__ import annotations
 
@@ -38,3 +39,26 @@ def reused_cache(recipe, splits: Sequence[str], say) -> dict[str, dict]:
         manifests[split] = manifest
     say(f"capture: reading the cache of data.from_run={recipe.data.from_run} ({cache}); nothing to capture")
     return manifests
+
+
+def first_conversations(recipe, source) -> list[int] | None:
+    """data.from_run with data.max_samples N: the positions in `source` (the other run's
+    train cache, or its prepared train split) of the samples from that run's first N
+    conversations (after its repeats were dropped); None when that is every sample."""
+    from eyas.data.cache import FeatureCache
+    from eyas.data.prepare import load_prepared
+
+    cfg = recipe.data
+    if not cfg.from_run or cfg.max_samples is None:
+        return None
+    conversation = load_prepared(recipe.paths.prepared)["train"]["conversation"]
+    rows = source.sample_rows() if isinstance(source, FeatureCache) else range(len(source))
+    keep = [i for i, row in enumerate(rows) if conversation[row] < cfg.max_samples]
+    if len(keep) == len(rows):
+        return None
+    if not keep:
+        raise ValueError(
+            f"data.max_samples={cfg.max_samples}: none of the {len(rows)} train samples of "
+            f"data.from_run={cfg.from_run} comes from its first {cfg.max_samples} conversations"
+        )
+    return keep

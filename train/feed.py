@@ -4,13 +4,18 @@ online and engine features), its batch stream, and the features and target label
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from eyas.core.segments import sample_spans
+from eyas.data.from_run import first_conversations
 from eyas.data.prepare import read_prepared_digest
 from eyas.train.batching import BatchStream, Packing, cache_samples, dataset_samples
 from eyas.train.build import FrozenOutput
 from eyas.train.fastpath import draft_first_lm_head, label_mask, valid_row_labels
+
+log = logging.getLogger(__name__)
 
 
 def to_device(batch: dict, device) -> dict:
@@ -122,7 +127,23 @@ def batch_stream(recipe, source, rank, world, position=None, pad_id=0, engine=No
     the prepared dataset's, packed as `train.*` says; with `engine` (data.features=engine)
     its batches carry the engine's states (train/engine_feed.py)."""
     packing = Packing.from_train(recipe.train)
-    samples = cache_samples(source) if recipe.data.features == "offline" else dataset_samples(source, packing)
+    source, lengths, groups = (
+        cache_samples(source) if recipe.data.features == "offline" else dataset_samples(source, packing)
+    )
+    keep = first_conversations(recipe, source) if split == "train" else None
+    if keep is not None:
+        log.info(
+            "data.max_samples=%d of data.from_run=%s: training on the %d of its %d train samples "
+            "that come from its first %d conversations",
+            recipe.data.max_samples,
+            recipe.data.from_run,
+            len(keep),
+            len(lengths),
+            recipe.data.max_samples,
+        )
+        kept = set(keep)
+        groups = [g for g in ([i for i in group if i in kept] for group in groups) if g]
+    samples = source, lengths, groups
     stream = BatchStream(*samples, packing, rank, world, pad_id, position)
     if engine is None:
         return stream

@@ -52,6 +52,7 @@ LATER_KEYS_OMITTED_AT = {
     # P-EAGLE runs before it drew deeper elements at every position (a rerun of one from
     # then is told the sampling changed)
     "train.peagle.cod_labelled_only": False,
+    "data.max_samples": None,  # recorded only where data.from_run takes a subset
 }
 
 
@@ -80,6 +81,8 @@ def training_settings(recipe, data_digest: str | None) -> dict[str, Any]:
     for key in ("name_or_path", "revision"):
         out[f"target.{key}"] = tree["target"][key]
     out["prepared.digest"] = data_digest
+    # on another run's data, the conversations of it trained on (data/from_run.py)
+    out["data.max_samples"] = tree["data"]["max_samples"] if tree["data"]["from_run"] else None
     for key, before in LATER_KEYS_OMITTED_AT.items():
         if key in out and out[key] == before:
             out.pop(key)

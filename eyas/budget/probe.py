@@ -131,7 +131,9 @@ def measure(recipe, progress: bool = True) -> Rates:
 def _measure_training_only(recipe) -> Rates:
     """The probe for a recipe that reads another run's data (data.from_run): nothing to
     regenerate or capture, so the training steps at the batches the reused samples pack
-    into, and the eval's decoding. Counts are train samples (one per "conversation")."""
+    into, and the eval's decoding. Counts are train samples (one per "conversation"), of
+    the other run's first data.max_samples conversations where that is set."""
+    from eyas.data.from_run import first_conversations
     from eyas.data.prepare import load_prepared, read_prepared_meta
     from eyas.eval.speculate import greedy_decode
     from eyas.target.load import load_recipe_target
@@ -144,6 +146,8 @@ def _measure_training_only(recipe) -> Rates:
     target = load_recipe_target(recipe.target, work_rows=recipe.train.batch_tokens)
     stage_start = time.perf_counter() - t0
     lengths = [len(x) for x in train["input_ids"]]
+    keep = first_conversations(recipe, train)  # data.max_samples of the other run's conversations
+    lengths = lengths if keep is None else [lengths[i] for i in keep]
     tr = recipe.train
     packed = group_batches(range(len(lengths)), lengths, tr.batch_tokens, tr.max_batch_size, tr.packing)
     typical = sorted(packed, key=len)[len(packed) // 2]

@@ -97,3 +97,58 @@ def test_a_damaged_shard_of_the_other_run_is_named(source, tmp_path, capsys):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"eyas capture: data.from_run={origin}: {victim}: checksum mismatch")
     assert victim.read_bytes() == bytes(data)  # nothing written there
+
+
+@pytest.mark.parametrize("features", ["offline", "online"])
+def test_max_samples_trains_on_the_other_runs_first_conversations(source, tmp_path, features):
+    """Before, data.max_samples was silently ignored with data.from_run: a run asking for
+    the samples of 12 of the other run's conversations trained on all of them."""
+    from types import SimpleNamespace
+
+    from eyas.data.cache import FeatureCache
+    from eyas.data.prepare import load_prepared
+    from eyas.recipe import load_recipe
+    from eyas.train.feed import batch_stream, open_split
+
+    path = _reuser(source, tmp_path, Path(source.run_dir))
+    conversation = load_prepared(Path(source.run_dir) / "prepared")["train"]["conversation"]
+    wanted = {row for row, c in enumerate(conversation) if c < 12}
+    assert 0 < len(wanted) < len(conversation)  # the source has samples on both sides
+    for max_samples, expected in ((12, wanted), (None, set(range(len(conversation))))):
+        overrides = [f"data.features={features}", f"data.max_samples={max_samples or 'null'}"]
+        recipe = load_recipe(str(path), overrides)
+        cached = FeatureCache(recipe.paths.cache, "train")  # the head's shapes, as the cache has them
+        head_cfg = SimpleNamespace(aux_layer_ids=cached.aux_layer_ids, target_hidden_size=cached.hidden_size)
+        src = open_split(recipe, head_cfg, "train")
+        rows = src.sample_rows() if isinstance(src, FeatureCache) else list(range(len(src)))
+        stream = batch_stream(recipe, src, 0, 1)
+        trained = {rows[i] for batch in stream.plan(0) for i in batch}
+        assert trained == expected
+
+
+def test_max_samples_below_every_conversation_of_the_other_run_is_refused(source, tmp_path):
+    from eyas.data.from_run import first_conversations
+    from eyas.data.prepare import load_prepared
+    from eyas.recipe import load_recipe
+
+    train = load_prepared(Path(source.run_dir) / "prepared")["train"]
+    first = min(train["conversation"])
+    assert first > 0  # the seeded split put the source's first conversation in eval
+    recipe = load_recipe(str(_reuser(source, tmp_path, Path(source.run_dir))), [f"data.max_samples={first}"])
+    with pytest.raises(ValueError, match=f"data.max_samples={first}: none of the {len(train)} train samples"):
+        first_conversations(recipe, train)
+
+
+def test_a_rerun_on_other_conversations_of_the_other_run_is_another_run():
+    """The prepared data's digest is the other run's either way, so the subset is recorded
+    itself: resuming a 650-conversation run at 1,300 would mix two runs in one head."""
+    from eyas.recipe import recipe_from_dict
+    from eyas.train.run_settings import changed_settings, training_settings
+
+    def settings(**data):
+        return training_settings(recipe_from_dict({"data": data}), "digest")
+
+    half, whole = settings(from_run="a", max_samples=650), settings(from_run="a", max_samples=1300)
+    assert changed_settings(half, whole) == ["data.max_samples: 650 -> 1300"]
+    # a run that prepares its own data has its conversations in the digest already
+    assert "data.max_samples" not in settings(max_samples=650)
