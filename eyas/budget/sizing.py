@@ -36,6 +36,7 @@ SIZED_KEYS = ("data.max_samples", "train.epochs")
 STAGES = ("prepare", "capture", "train", "export", "eval")
 MARGIN = 0.08  # of the budget, kept unallocated: the estimates are a few batches' worth
 FEWEST_CONVERSATIONS = 0.25  # of the recipe's, before its epochs are cut
+FEWEST_EPOCHS = 3.0  # kept while conversations go down to the probe's batch, before one epoch
 
 
 def parse_duration(text: str) -> float:
@@ -97,11 +98,12 @@ def kept_keys(recipe, fixed: tuple[str, ...]) -> tuple[str, ...]:
 def choose(rates: Rates, recipe, left_s: float, fixed: tuple[str, ...] = ()) -> Choice:
     """The conversations and epochs that fit `left_s` seconds: the recipe's when they fit;
     otherwise fewer conversations at the recipe's epochs, down to FEWEST_CONVERSATIONS of
-    the recipe's; then fewer epochs, down to one; then fewer conversations again, down to
-    the probe's batch. Epochs go last because an epoch replayed from the feature cache
-    costs a fraction of regenerating its conversations, and a head trained for fewer
-    epochs than its recipe's is undertrained (docs/experiments.md). A key in `fixed` (set
-    by the user) keeps the recipe's value."""
+    the recipe's; then fewer epochs, down to FEWEST_EPOCHS; then fewer conversations again,
+    down to the probe's batch; then fewer epochs, down to one. An epoch replayed from the
+    feature cache costs a fraction of regenerating its conversations, and on the same
+    minutes a head trains better on fewer conversations seen three times than on twice as
+    many seen once (docs/experiments.md). A key in `fixed` (set by the user) keeps the
+    recipe's value."""
     n0, e0 = recipe.data.max_samples, float(recipe.train.epochs)
     fixed = kept_keys(recipe, fixed)
     if recipe.data.from_run:  # the reused data's train samples
@@ -124,15 +126,17 @@ def choose(rates: Rates, recipe, left_s: float, fixed: tuple[str, ...] = ()) -> 
                 f"down to {FEWEST_CONVERSATIONS:.0%} of the recipe's)"
             )
         else:
-            n = fewest
+            n, kept_epochs = fewest, min(FEWEST_EPOCHS, e0)
             if can_e:
-                e = _most_epochs(rates, recipe, left_s, n, min(1.0, e0), e0) or min(1.0, e0)
+                e = _most_epochs(rates, recipe, left_s, n, kept_epochs, e0) or kept_epochs
             if can_n and not _fits(rates, recipe, left_s, n, e):
                 n = _most_samples(rates, recipe, left_s, floor, n, e) or floor
+            if can_e and not _fits(rates, recipe, left_s, n, e):
+                e = _most_epochs(rates, recipe, left_s, n, min(1.0, e0), e) or min(1.0, e0)
             reasons.append(
                 f"{n} conversations at {e:g} epochs (conversations down to "
-                f"{FEWEST_CONVERSATIONS:.0%} of the recipe's, then epochs down to one, then "
-                "conversations again)"
+                f"{FEWEST_CONVERSATIONS:.0%} of the recipe's, then epochs down to {kept_epochs:g}, "
+                "then conversations down to the probe's batch, then epochs down to one)"
             )
         if not _fits(rates, recipe, left_s, n, e):
             total = sum(estimate(rates, recipe, n, e).values())

@@ -8,6 +8,7 @@ import pytest
 from support.tiny_targets import TINY_LAYERS
 
 from eyas.budget import BudgetError, Rates, choose, estimate, parse_duration, report
+from eyas.budget.sizing import FEWEST_EPOCHS
 from eyas.cli import main
 from eyas.data.fed_states import FED_STATES_DIR, FedStates
 from eyas.data.prepare import load_prepared
@@ -98,6 +99,21 @@ def test_a_much_slower_machine_then_trains_fewer_epochs(recipe):
     assert c.max_samples == 1350 and 1.0 <= c.epochs < 4.0
     assert sum(c.estimates.values()) <= left
     assert c.epochs * 4 == int(c.epochs * 4)  # quarters
+
+
+def test_a_still_slower_machine_keeps_three_epochs_over_fewer_conversations(recipe):
+    # below a quarter of the recipe's conversations, a head seen three times over fewer
+    # conversations beats one seen once over more (docs/experiments.md, 2026-12-07)
+    left = total(rates(), recipe, 5400, 4)
+    r = rates(speed=4.5)
+    c = choose(r, recipe, left)
+    assert c.epochs == FEWEST_EPOCHS == 3.0 and 256 <= c.max_samples < 1350
+    assert sum(c.estimates.values()) <= left
+    assert total(r, recipe, c.max_samples + 50, 3.0) > left  # not needlessly small
+    # one epoch only once the probe's batch of conversations does not fit three
+    slowest = choose(rates(speed=8.0), recipe, left)
+    assert slowest.max_samples == 256 and slowest.epochs < 3.0
+    assert total(rates(speed=8.0), recipe, 256, 3.0) > left
 
 
 def test_an_impossible_budget_is_said(recipe):
