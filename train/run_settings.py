@@ -52,7 +52,7 @@ LATER_KEYS_OMITTED_AT = {
     # P-EAGLE runs before it drew deeper elements at every position (a rerun of one from
     # then is told the sampling changed)
     "train.peagle.cod_labelled_only": False,
-    "data.max_samples": None,  # recorded only where data.from_run takes a subset
+    "data.max_samples": None,  # recorded only on another run's data (data.from_run)
 }
 
 
