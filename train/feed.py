@@ -133,18 +133,16 @@ def batch_stream(recipe, source, rank, world, position=None, pad_id=0, engine=No
     keep = first_conversations(recipe, source) if split == "train" else None
     if keep is not None:
         log.info(
-            "data.max_samples=%d of data.from_run=%s: training on the %d of its %d train samples "
-            "that come from its first %d conversations",
-            recipe.data.max_samples,
+            "data.from_run=%s with data.max_samples=%d: training on the %d of its %d train samples "
+            "from its first conversations up to that number",
             recipe.data.from_run,
+            recipe.data.max_samples,
             len(keep),
             len(lengths),
-            recipe.data.max_samples,
         )
         kept = set(keep)
         groups = [g for g in ([i for i in group if i in kept] for group in groups) if g]
-    samples = source, lengths, groups
-    stream = BatchStream(*samples, packing, rank, world, pad_id, position)
+    stream = BatchStream(source, lengths, groups, packing, rank, world, pad_id, position)
     if engine is None:
         return stream
     from eyas.train.engine_feed import EngineBatches, key_tag
