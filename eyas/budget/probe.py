@@ -41,14 +41,17 @@ def measure(recipe, progress: bool = True) -> Rates:
     stage_start = time.perf_counter() - t0
     tok = target.tokenizer
     cap = max(1, cfg.max_length - rg.max_new_tokens) if rg.enabled else cfg.max_length
-    # the probe batch comes from the conversations every choice keeps (the first probe-sized
-    # share of what is read), so its replies are never wasted
+    # the share whose first prompt fits is counted over the first quarter read; the probe
+    # batch comes from the first two batches' worth, since a choice can go down to the
+    # probe's batch and replies beyond what it reads would be wasted
     batch = rg.batch_size if rg.enabled else 256
-    pool_n = min(len(conversations), max(batch * 2, len(conversations) // 4))
-    first = {i: len(prompt_ids(tok, before_first_reply(conversations[i]))) for i in range(pool_n)}
+    counted = min(len(conversations), max(batch * 2, len(conversations) // 4))
+    first = {i: len(prompt_ids(tok, before_first_reply(conversations[i]))) for i in range(counted)}
     regen_path = Path(recipe.paths.prepared) / RunPaths.REGENERATED
     done = set(done_records(regen_path)) if rg.enabled else set()
-    pool = sorted((i for i in first if first[i] <= cap and i not in done), key=lambda i: (first[i], i))
+    pool_n = min(counted, batch * 2)
+    fitting = (i for i in range(pool_n) if first[i] <= cap and i not in done)
+    pool = sorted(fitting, key=lambda i: (first[i], i))
     if not pool:
         raise BudgetError(
             f"no conversation among the first {pool_n} read has a prompt of at most {cap} tokens"
@@ -114,6 +117,7 @@ def measure(recipe, progress: bool = True) -> Rates:
         conversations_read=read,
         regenerable=round(fits_share * len(conversations)),
         probe_conversations=len(probe) if rg.enabled else 0,
+        probe_positions=tuple(sorted(probe)) if rg.enabled else (),
         regen_batch_s=regen_s,
         samples_per_conversation=len(ids) / len(probe),
         sample_tokens=sum(lengths) / len(lengths),
@@ -166,6 +170,7 @@ def _measure_training_only(recipe) -> Rates:
         conversations_read=len(lengths),
         regenerable=len(lengths),
         probe_conversations=0,
+        probe_positions=(),
         regen_batch_s=0.0,
         samples_per_conversation=1.0,
         sample_tokens=sum(lengths) / len(lengths),

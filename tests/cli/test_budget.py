@@ -34,6 +34,7 @@ def rates(speed: float = 1.0) -> Rates:
         conversations_read=5400,
         regenerable=4000,
         probe_conversations=256,
+        probe_positions=tuple(range(0, 512, 2)),
         regen_batch_s=35.0 * speed,
         samples_per_conversation=0.98,
         sample_tokens=185.0,
@@ -72,6 +73,14 @@ def test_estimates_grow_with_conversations_and_epochs(recipe):
     assert base["eval"] == more["eval"] > 0
     # the probe's batch is already regenerated: prepare does the rest only
     assert estimate(r, recipe, 5400, 4)["prepare"] == pytest.approx(10.0 + (4000 - 256) / 256 * 35.0)
+
+
+def test_prepare_is_estimated_to_regenerate_what_the_probe_left_of_the_conversations_read(recipe):
+    # reading 400 conversations keeps the 200 probe replies among the first 400, and no more:
+    # the rest of the 400's regenerable ones are prepare's work
+    r = rates()
+    regenerable = 4000 * 400 / 5400
+    assert estimate(r, recipe, 400, 4)["prepare"] == pytest.approx(10.0 + (regenerable - 200) / 256 * 35.0)
 
 
 def test_a_machine_that_fits_the_recipe_runs_it_unchanged(recipe):
@@ -155,7 +164,7 @@ def test_probe_sizes_the_run_and_prepare_keeps_its_replies(tiny_llama_dir, tmp_p
                 {"from": "gpt", "value": "an answer"},
             ]
         }
-        for k in range(120)
+        for k in range(160)
     ]
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
@@ -164,7 +173,7 @@ def test_probe_sizes_the_run_and_prepare_keeps_its_replies(tiny_llama_dir, tmp_p
         f"run_dir={run}",
         f"target.name_or_path={tiny_llama_dir}",
         f"data.sources=[{corpus}]",
-        "data.max_samples=120",
+        "data.max_samples=160",
         "data.regenerate.batch_size=16",
         "data.regenerate.max_new_tokens=8",
         "data.max_length=96",
@@ -187,6 +196,9 @@ def test_probe_sizes_the_run_and_prepare_keeps_its_replies(tiny_llama_dir, tmp_p
     regenerated = run / "prepared" / "regenerated.jsonl"
     probe_records = regenerated.read_text().splitlines()
     assert len(probe_records) == 16
+    # the probe's batch lies among the first two batches read, and its positions are those
+    assert sorted(json.loads(x)["index"] for x in probe_records) == r["probe_positions"]
+    assert max(r["probe_positions"]) < 2 * 16
     # a rerun with the same budget reuses the sizing instead of measuring again
     caplog.clear()
     with caplog.at_level("INFO", logger="eyas.budget"):
@@ -196,8 +208,8 @@ def test_probe_sizes_the_run_and_prepare_keeps_its_replies(tiny_llama_dir, tmp_p
     # prepare continues after the probe's replies: each conversation regenerated once
     assert main(["prepare", "--no-progress", "-r", QUICKSTART, *common, *sized["overrides"]]) == 0
     lines = regenerated.read_text().splitlines()
-    assert lines[:16] == probe_records and len(lines) == 120
-    assert len({json.loads(x)["index"] for x in lines}) == 120
+    assert lines[:16] == probe_records and len(lines) == 160
+    assert len({json.loads(x)["index"] for x in lines}) == 160
     # the capture's share of recomputed samples is the one the probe measured on its batch
     probe_indices = {json.loads(x)["index"] for x in probe_records}
     fed = FedStates(run / "prepared" / FED_STATES_DIR, [1, 2, 3, TINY_LAYERS], str(tiny_llama_dir))
