@@ -35,8 +35,8 @@ def measure(recipe, progress: bool = True) -> Rates:
         )
     resolve_target_path(t.name_or_path)  # a once-per-machine conversion is no stage's start-up cost
     t0 = time.perf_counter()
-    conversations, _ = gather_conversations(cfg)
-    read = min(cfg.max_samples, len(conversations))
+    conversations, report = gather_conversations(cfg)
+    read = len(conversations) + report.dropped["duplicate"]  # data.max_samples counts repeats
     target = load_recipe_target(t, work_rows=rg.batch_size if rg.enabled else cfg.capture_batch_tokens)
     stage_start = time.perf_counter() - t0
     tok = target.tokenizer
@@ -115,8 +115,8 @@ def measure(recipe, progress: bool = True) -> Rates:
     decode_s = _decode_seconds_per_token(recipe, target, tok, samples[0], greedy_decode)
     return Rates(
         conversations_read=read,
+        deduped=len(conversations),
         regenerable=round(fits_share * len(conversations)),
-        probe_conversations=len(probe) if rg.enabled else 0,
         probe_positions=tuple(sorted(probe)) if rg.enabled else (),
         regen_batch_s=regen_s,
         samples_per_conversation=len(ids) / len(probe),
@@ -168,8 +168,8 @@ def _measure_training_only(recipe) -> Rates:
     decode_s = _decode_seconds_per_token(recipe, target, target.tokenizer, prompt, greedy_decode)
     return Rates(
         conversations_read=len(lengths),
+        deduped=len(lengths),
         regenerable=len(lengths),
-        probe_conversations=0,
         probe_positions=(),
         regen_batch_s=0.0,
         samples_per_conversation=1.0,

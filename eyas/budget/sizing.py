@@ -109,7 +109,7 @@ def choose(rates: Rates, recipe, left_s: float, fixed: tuple[str, ...] = ()) -> 
     if recipe.data.from_run:  # the reused data's train samples
         n0 = rates.conversations_read
     can_n, can_e = "data.max_samples" not in fixed, "train.epochs" not in fixed
-    floor = max(1, min(n0, rates.probe_conversations or 256))
+    floor = max(1, min(n0, len(rates.probe_positions) or 256))
     full = sum(estimate(rates, recipe, n0, e0).values())
     reasons = [
         f"the recipe ({n0} conversations, {e0:g} epochs) is estimated at {full / 60:.1f} min; "

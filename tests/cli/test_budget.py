@@ -32,8 +32,8 @@ def rates(speed: float = 1.0) -> Rates:
     """Rates of a machine `speed` times slower than a quickstart-like one."""
     return Rates(
         conversations_read=5400,
+        deduped=5400,
         regenerable=4000,
-        probe_conversations=256,
         probe_positions=tuple(range(0, 512, 2)),
         regen_batch_s=35.0 * speed,
         samples_per_conversation=0.98,
@@ -81,6 +81,17 @@ def test_prepare_is_estimated_to_regenerate_what_the_probe_left_of_the_conversat
     r = rates()
     regenerable = 4000 * 400 / 5400
     assert estimate(r, recipe, 400, 4)["prepare"] == pytest.approx(10.0 + (regenerable - 200) / 256 * 35.0)
+
+
+def test_conversations_read_count_their_repeats_as_max_samples_does(recipe):
+    # 5,400 read are 5,000 once repeats are dropped: reading 400 leaves ~370, so only the
+    # probe's replies among the first ~370 left are kept, and ~274 are regenerable
+    r = replace(rates(), deduped=5000, regenerable=3700)
+    left = 5000 * 400 / 5400
+    kept = sum(p < left for p in r.probe_positions)
+    assert kept == 186
+    regenerable = 3700 * 400 / 5400
+    assert estimate(r, recipe, 400, 4)["prepare"] == pytest.approx(10.0 + (regenerable - kept) / 256 * 35.0)
 
 
 def test_a_machine_that_fits_the_recipe_runs_it_unchanged(recipe):
@@ -160,7 +171,11 @@ def test_probe_sizes_the_run_and_prepare_keeps_its_replies(tiny_llama_dir, tmp_p
     rows = [
         {
             "conversations": [
-                {"from": "human", "value": f"question {k} " + "word " * (k % 13)},
+                # every eighth row repeats the prompt before it: dropped, yet counted by max_samples
+                {
+                    "from": "human",
+                    "value": f"question {k - (k % 8 == 7)} " + "word " * ((k - (k % 8 == 7)) % 13),
+                },
                 {"from": "gpt", "value": "an answer"},
             ]
         }
@@ -191,7 +206,8 @@ def test_probe_sizes_the_run_and_prepare_keeps_its_replies(tiny_llama_dir, tmp_p
     assert "estimated" in out.err and sized["spent_before_s"] == 30
     assert sized["other_load_during_probe"] is None or sized["other_load_during_probe"] >= 0
     r = sized["rates"]
-    assert r["probe_conversations"] == 16 and r["regen_batch_s"] > 0 and r["step_s"] > 0
+    assert len(r["probe_positions"]) == 16 and r["regen_batch_s"] > 0 and r["step_s"] > 0
+    assert (r["conversations_read"], r["deduped"]) == (160, 140)
     assert r["decode_s_per_token"] > 0 and r["samples_per_step"] >= 1 and r["sample_tokens"] > 10
     regenerated = run / "prepared" / "regenerated.jsonl"
     probe_records = regenerated.read_text().splitlines()
@@ -208,8 +224,8 @@ def test_probe_sizes_the_run_and_prepare_keeps_its_replies(tiny_llama_dir, tmp_p
     # prepare continues after the probe's replies: each conversation regenerated once
     assert main(["prepare", "--no-progress", "-r", QUICKSTART, *common, *sized["overrides"]]) == 0
     lines = regenerated.read_text().splitlines()
-    assert lines[:16] == probe_records and len(lines) == 160
-    assert len({json.loads(x)["index"] for x in lines}) == 160
+    assert lines[:16] == probe_records and len(lines) == 140
+    assert len({json.loads(x)["index"] for x in lines}) == 140
     # the capture's share of recomputed samples is the one the probe measured on its batch
     probe_indices = {json.loads(x)["index"] for x in probe_records}
     fed = FedStates(run / "prepared" / FED_STATES_DIR, [1, 2, 3, TINY_LAYERS], str(tiny_llama_dir))
@@ -307,7 +323,13 @@ def test_a_run_on_another_runs_data_sizes_only_its_epochs():
     # the P-EAGLE quickstart reads the EAGLE-3 quickstart's data (data.from_run): nothing to
     # regenerate or capture, the reused train samples are what they are
     recipe = load_recipe("recipes/smollm2-135m-peagle.yaml", [])
-    r = replace(rates(speed=3.0), conversations_read=5184, regenerable=5184, samples_per_conversation=1.0)
+    r = replace(
+        rates(speed=3.0),
+        conversations_read=5184,
+        deduped=5184,
+        regenerable=5184,
+        samples_per_conversation=1.0,
+    )
     est = estimate(r, recipe, 5184, 2)
     assert est["prepare"] == est["capture"] == r.stage_start_s and est["train"] > 600
     left = est["train"] * 0.6 + 4 * r.stage_start_s + est["eval"]
