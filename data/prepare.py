@@ -250,20 +250,21 @@ def regeneration_settings(recipe, target, out_dir: Path, progress: bool = True) 
             cfg.aux_layer_ids or default_aux_layer_ids(target.num_layers), target.num_layers
         )
     temperature, top_p = regeneration_sampling(recipe, target)
-    # how replies are drawn, whichever backend draws them
-    sampling = dict(max_new_tokens=rg.max_new_tokens, temperature=temperature, top_p=top_p, seed=rg.seed)
     return RegenerationSettings(
         backend=rg.backend,
         batch_size=rg.batch_size,
         batch_tokens=rg.batch_tokens,
-        **sampling,
+        max_new_tokens=rg.max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=rg.seed,
         reasoning_effort=rg.reasoning_effort,
         progress=progress,
         max_prompt_tokens=max(1, cfg.max_length - rg.max_new_tokens),
         states_dir=states_dir,
         state_layer_ids=layer_ids,
         target_name=recipe.target.name_or_path,
-        server=server_settings(rg, out_dir, sampling) if rg.backend == "server" else None,
+        server=server_settings(rg, out_dir) if rg.backend == "server" else None,
     )
 
 
@@ -284,10 +285,10 @@ def regeneration_sampling(recipe, target=None) -> tuple[float, float]:
     return chosen
 
 
-def server_settings(rg, out_dir: Path, sampling: dict):
-    """The server backend's settings from a recipe's `data.regenerate` and the `sampling`
-    its replies are drawn with; with `launch`, the engine it starts (only when some
-    conversation is left to regenerate), logging to `out_dir/engine.log`."""
+def server_settings(rg, out_dir: Path):
+    """The server backend's settings from a recipe's `data.regenerate`; with `launch`, the
+    engine it starts (only when some conversation is left to regenerate), logging to
+    `out_dir/engine.log`."""
     from eyas.data.regenerate_settings import ServerSettings
 
     engine = None
@@ -306,7 +307,6 @@ def server_settings(rg, out_dir: Path, sampling: dict):
         timeout_s=rg.request_timeout_s,
         max_retries=rg.max_retries,
         engine=engine,
-        **sampling,
     )
 
 

@@ -28,7 +28,7 @@ from contextlib import nullcontext
 
 from eyas.core.engine_process import server_root
 from eyas.data.reasoning import assistant_message, effort_template_kwargs, is_empty_reply, mark_effort
-from eyas.data.regenerate_settings import RegenerationSettings, ServerSettings
+from eyas.data.regenerate_settings import RegenerationSettings
 from eyas.data.templates import TemplateError, prompt_ids, render_with_mask, special_strings
 from eyas.data.tool_text import as_served, calls_mode
 from eyas.data.tools import copy_until_reply, openai_messages
@@ -77,16 +77,16 @@ def compare_reply_tokens(
 class ChatClient:
     """Chat completions against one or more replicas, least busy first."""
 
-    def __init__(self, settings: ServerSettings):
+    def __init__(self, settings: RegenerationSettings):
         import httpx
 
-        self.s = settings
-        self.in_flight = {server_root(u): 0 for u in settings.urls}
+        self.s, self.sampling = settings.server, settings
+        self.in_flight = {server_root(u): 0 for u in self.s.urls}
         self.http = httpx.AsyncClient(
-            timeout=httpx.Timeout(settings.timeout_s, connect=30.0),
-            limits=httpx.Limits(max_connections=settings.concurrency + 8),
+            timeout=httpx.Timeout(self.s.timeout_s, connect=30.0),
+            limits=httpx.Limits(max_connections=self.s.concurrency + 8),
         )
-        self.model = settings.model
+        self.model = self.s.model
         self.token_ids = True  # ask for them until a server refuses the field
         # until a server without a tool parser refuses tools: then `tool_choice: none`, so the
         # tools are still in its prompt and the calls are parsed from the raw text
@@ -137,10 +137,10 @@ class ChatClient:
         body = {
             "model": await self.resolve_model(),
             "messages": messages,
-            "max_tokens": self.s.max_new_tokens,
-            "temperature": self.s.temperature,
-            "top_p": self.s.top_p,
-            "seed": self.s.seed if seed is None else seed,
+            "max_tokens": self.sampling.max_new_tokens,
+            "temperature": self.sampling.temperature,
+            "top_p": self.sampling.top_p,
+            "seed": self.sampling.seed if seed is None else seed,
             # raw harmony keeps its channel tokens when no reasoning parser splits them
             "skip_special_tokens": False,
         }
@@ -209,7 +209,7 @@ async def _regenerate_all(
 ) -> None:
     server, max_prompt_tokens = settings.server, settings.max_prompt_tokens
     ends = {int(i) for i in tokenizer.convert_tokens_to_ids(special_strings(tokenizer)) if i is not None}
-    client = ChatClient(server)
+    client = ChatClient(settings)
     sem = asyncio.Semaphore(server.concurrency)
     start, tokens, replies = time.monotonic(), 0, 0
 
@@ -233,7 +233,7 @@ async def _regenerate_all(
                     break
                 # a seed per conversation and turn: one seed for all would draw every
                 # reply from the same stream of uniforms
-                turn_seed = (server.seed * 1_000_003 + i * 1009 + len(history)) % 2**31
+                turn_seed = (settings.seed * 1_000_003 + i * 1009 + len(history)) % 2**31
                 out = await client.chat(history, efforts[i], turn_seed)
                 msg = out["message"]
                 reply = assistant_message(

@@ -13,13 +13,12 @@ from pathlib import Path
 
 @dataclass
 class ServerSettings:
+    """Where and how requests go; what they ask for (length, sampling, seed) is the
+    RegenerationSettings' own, one set of fields for both backends."""
+
     urls: list[str]
     model: str | None = None
     concurrency: int = 256
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
     timeout_s: float = 600.0
     max_retries: int = 5
     backoff_s: float = 0.5

@@ -218,12 +218,14 @@ def _regenerate_through_server(
 
     conversations = [first + [{"role": "assistant", "content": ""}] for first in firsts]
     with tempfile.TemporaryDirectory() as tmp:
-        server = ServerSettings(urls=[url], concurrency=concurrency, max_new_tokens=max_new_tokens)
+        server = ServerSettings(urls=[url], concurrency=concurrency)
         out = regenerate(
             conversations,
             tokenizer,
             Path(tmp) / "regenerated.jsonl",
-            RegenerationSettings(backend="server", server=server, progress=False),
+            RegenerationSettings(
+                backend="server", max_new_tokens=max_new_tokens, server=server, progress=False
+            ),
         )
     return [c[-1]["content"] if c else "" for c in out]
 

@@ -5,6 +5,7 @@ records that never outlive a change of these settings."""
 
 import json
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from support.fake_openai_server import FakeChatServer
@@ -29,7 +30,7 @@ def _convs(n):
 
 
 def _settings(url, **kw):
-    return ServerSettings(urls=[url], max_new_tokens=64, concurrency=4, backoff_s=0.01, **kw)
+    return ServerSettings(urls=[url], concurrency=4, backoff_s=0.01, **kw)
 
 
 def _masked(tok, r):
@@ -61,7 +62,12 @@ def test_gpt_oss_conversations_are_prompted_and_trained_at_their_effort(tmp_path
             tok,
             out,
             RegenerationSettings(
-                backend="server", server=_settings(server.url), reasoning_effort=mix, seed=3, progress=False
+                backend="server",
+                server=_settings(server.url),
+                max_new_tokens=64,
+                reasoning_effort=mix,
+                seed=3,
+                progress=False,
             ),
             token_checks=checks,
         )
@@ -88,7 +94,11 @@ def test_gpt_oss_conversations_are_prompted_and_trained_at_their_effort(tmp_path
             tok,
             tmp_path / "n.jsonl",
             RegenerationSettings(
-                backend="server", server=_settings(server.url), reasoning_effort="none", progress=False
+                backend="server",
+                server=_settings(server.url),
+                max_new_tokens=64,
+                reasoning_effort="none",
+                progress=False,
             ),
         )
 
@@ -102,7 +112,11 @@ def test_qwen3_thinking_is_off_at_effort_none_and_the_empty_block_is_context(tmp
             tok,
             tmp_path / "r.jsonl",
             RegenerationSettings(
-                backend="server", server=_settings(server.url), reasoning_effort=effort, progress=False
+                backend="server",
+                server=_settings(server.url),
+                max_new_tokens=64,
+                reasoning_effort=effort,
+                progress=False,
             ),
         )
         (body,) = server.requests
@@ -126,7 +140,7 @@ def test_records_of_other_settings_are_generated_again(tmp_path):
         def requests(**kw):
             server.requests.clear()
             settings = RegenerationSettings(
-                backend="server", server=_settings(server.url), progress=False, **kw
+                backend="server", server=_settings(server.url), progress=False, **{"max_new_tokens": 64, **kw}
             )
             regenerate(_convs(3), tok, out, settings)
             return len(server.requests)
@@ -143,6 +157,31 @@ def test_records_of_other_settings_are_generated_again(tmp_path):
         ):
             assert requests(**kw) == 3, kw
             assert requests(**kw) == 0, kw
+
+
+def test_the_server_is_asked_for_the_regeneration_settings_length_and_sampling(tmp_path):
+    tok = qwen3_tokenizer()
+    with FakeChatServer(tok, script=lambda messages: "Four.") as server:
+        settings = RegenerationSettings(
+            backend="server",
+            server=_settings(server.url),
+            max_new_tokens=17,
+            temperature=0.6,
+            top_p=0.95,
+            seed=11,
+            progress=False,
+        )
+        regenerate(_convs(2), tok, tmp_path / "r.jsonl", settings)
+        bodies = list(server.requests)
+    assert [(b["max_tokens"], b["temperature"], b["top_p"]) for b in bodies] == [(17, 0.6, 0.95)] * 2
+    # a seed per conversation, drawn from the settings' seed: another seed asks for others
+    seeds = {b["seed"] for b in bodies}
+    assert len(seeds) == 2
+    with FakeChatServer(tok, script=lambda messages: "Four.") as server:
+        regenerate(
+            _convs(2), tok, tmp_path / "other.jsonl", replace(settings, seed=12, server=_settings(server.url))
+        )
+        assert not seeds & {b["seed"] for b in server.requests}
 
 
 def test_sampling_defaults_to_the_targets_generation_config(tiny_llama_dir, tmp_path):
@@ -162,7 +201,6 @@ def test_sampling_defaults_to_the_targets_generation_config(tiny_llama_dir, tmp_
             {"target": {"name_or_path": str(target)}, "data": {"regenerate": {"backend": "server", **rg}}}
         )
         settings = regeneration_settings(recipe, None, tmp_path, progress=False)
-        assert (settings.server.temperature, settings.server.top_p) == (settings.temperature, settings.top_p)
         return settings.temperature, settings.top_p
 
     assert chosen(sampling) == (0.7, 0.8)

@@ -45,7 +45,7 @@ def tiny(tiny_llama_dir):
 
 
 def _settings(*urls, **kw):
-    return ServerSettings(urls=list(urls), max_new_tokens=6, concurrency=4, backoff_s=0.01, **kw)
+    return ServerSettings(urls=list(urls), concurrency=4, backoff_s=0.01, **kw)
 
 
 def test_server_replies_equal_the_in_process_decoder_and_resume(tiny, tmp_path):
@@ -64,7 +64,9 @@ def test_server_replies_equal_the_in_process_decoder_and_resume(tiny, tmp_path):
             convs,
             tiny.tokenizer,
             out,
-            RegenerationSettings(backend="server", server=_settings(server.url), progress=False),
+            RegenerationSettings(
+                backend="server", max_new_tokens=6, server=_settings(server.url), progress=False
+            ),
             token_checks=checks,
         )
         assert got == hf
@@ -83,7 +85,9 @@ def test_server_replies_equal_the_in_process_decoder_and_resume(tiny, tmp_path):
                 convs,
                 tiny.tokenizer,
                 out,
-                RegenerationSettings(backend="server", server=_settings(server.url), progress=False),
+                RegenerationSettings(
+                    backend="server", max_new_tokens=6, server=_settings(server.url), progress=False
+                ),
             )
             == hf
         )
@@ -102,7 +106,9 @@ def test_finished_turns_carry_the_targets_reply_into_the_next_prompt(tiny, tmp_p
             _convs(),
             tiny.tokenizer,
             tmp_path / "r.jsonl",
-            RegenerationSettings(backend="server", server=_settings(server.url), progress=False),
+            RegenerationSettings(
+                backend="server", max_new_tokens=6, server=_settings(server.url), progress=False
+            ),
             token_checks=checks,
         )
     assert len(server.requests) == 12  # every turn of every conversation, in order
@@ -124,7 +130,9 @@ def test_requests_spread_over_replicas_and_retry_on_503(tiny, tmp_path):
             _convs(8),
             tiny.tokenizer,
             tmp_path / "r.jsonl",
-            RegenerationSettings(backend="server", server=_settings(a.url, b.url), progress=False),
+            RegenerationSettings(
+                backend="server", max_new_tokens=6, server=_settings(a.url, b.url), progress=False
+            ),
         )
         assert len(got) == 8 and all(len(c) == 2 for c in got)
         assert len(a.requests) > 2 and len(b.requests) > 0  # both replicas served; a's two 503s were retried
@@ -140,7 +148,10 @@ def test_server_errors_name_the_url_and_what_it_said(tiny, tmp_path):
                 tiny.tokenizer,
                 tmp_path / "a.jsonl",
                 RegenerationSettings(
-                    backend="server", server=_settings(server.url, max_retries=1), progress=False
+                    backend="server",
+                    max_new_tokens=6,
+                    server=_settings(server.url, max_retries=1),
+                    progress=False,
                 ),
             )
     with FakeChatServer(tiny.tokenizer, tiny.model) as server:
@@ -150,7 +161,10 @@ def test_server_errors_name_the_url_and_what_it_said(tiny, tmp_path):
                 tiny.tokenizer,
                 tmp_path / "b.jsonl",
                 RegenerationSettings(
-                    backend="server", server=_settings(server.url, model="no-such-model"), progress=False
+                    backend="server",
+                    max_new_tokens=6,
+                    server=_settings(server.url, model="no-such-model"),
+                    progress=False,
                 ),
             )
     with pytest.raises(ServerError, match="127.0.0.1:9/v1/models failed 1 times; last: ConnectError"):
@@ -159,7 +173,10 @@ def test_server_errors_name_the_url_and_what_it_said(tiny, tmp_path):
             tiny.tokenizer,
             tmp_path / "c.jsonl",
             RegenerationSettings(
-                backend="server", server=_settings("http://127.0.0.1:9", max_retries=0), progress=False
+                backend="server",
+                max_new_tokens=6,
+                server=_settings("http://127.0.0.1:9", max_retries=0),
+                progress=False,
             ),
         )
 
@@ -173,7 +190,9 @@ def test_a_server_without_token_ids_is_still_used(tiny, tmp_path):
             _convs(2),
             tiny.tokenizer,
             tmp_path / "r.jsonl",
-            RegenerationSettings(backend="server", server=_settings(server.url), progress=False),
+            RegenerationSettings(
+                backend="server", max_new_tokens=6, server=_settings(server.url), progress=False
+            ),
             token_checks=checks,
         )
         assert all(len(c) == 2 for c in got) and not checks
@@ -191,7 +210,9 @@ def test_server_urls_in_the_openai_client_form_reach_the_same_endpoints(tiny, tm
                 _convs(1),
                 tiny.tokenizer,
                 tmp_path / "r.jsonl",
-                RegenerationSettings(backend="server", server=_settings(url), progress=False),
+                RegenerationSettings(
+                    backend="server", max_new_tokens=6, server=_settings(url), progress=False
+                ),
             )
             assert len(got[0]) == 2
             (tmp_path / "r.jsonl").unlink()
@@ -213,7 +234,9 @@ def test_harmony_reply_keeps_both_channels_through_storage_rendering_and_masks(t
             [conv],
             tok,
             tmp_path / "r.jsonl",
-            RegenerationSettings(backend="server", server=_settings(server.url), progress=False),
+            RegenerationSettings(
+                backend="server", max_new_tokens=6, server=_settings(server.url), progress=False
+            ),
             token_checks=checks,
         )
     reply = got[-1]

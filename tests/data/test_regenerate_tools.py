@@ -85,12 +85,12 @@ def test_tool_conversation_survives_regeneration_storage_and_rendering(
     with FakeChatServer(
         tok, script=_script(family, single), tool_parser=tool_parser, reasoning="raw"
     ) as server:
-        settings = ServerSettings(urls=[server.url], max_new_tokens=64, concurrency=1, backoff_s=0.01)
+        settings = ServerSettings(urls=[server.url], concurrency=1, backoff_s=0.01)
         (got,) = regenerate(
             [conv],
             tok,
             out,
-            RegenerationSettings(backend="server", server=settings, progress=False),
+            RegenerationSettings(backend="server", max_new_tokens=64, server=settings, progress=False),
             token_checks=checks,
         )
     # every request carried the tools; the first asked from the history before the first reply
@@ -119,13 +119,13 @@ def test_tool_conversation_survives_regeneration_storage_and_rendering(
 def test_a_text_reply_where_the_record_calls_tools_ends_the_conversation(tiny_tokenizer, tmp_path):
     conv, _ = normalize_row(OPENAI_ROW)
     with FakeChatServer(tiny_tokenizer, script=lambda m: "I cannot check the weather.") as server:
-        settings = ServerSettings(urls=[server.url], max_new_tokens=64, concurrency=1, backoff_s=0.01)
+        settings = ServerSettings(urls=[server.url], concurrency=1, backoff_s=0.01)
         checks = Counter()
         (got,) = regenerate(
             [conv],
             tiny_tokenizer,
             tmp_path / "r.jsonl",
-            RegenerationSettings(backend="server", server=settings, progress=False),
+            RegenerationSettings(backend="server", max_new_tokens=64, server=settings, progress=False),
             token_checks=checks,
         )
     assert [m["role"] for m in got] == ["system", "user", "assistant"] and checks["tool_divergence"] == 1
@@ -191,12 +191,12 @@ def test_a_server_without_a_tool_parser_gets_tool_choice_none_and_raw_text(tiny_
         no_auto_tools=True,
         token_ids_unsupported=True,
     ) as server:
-        settings = ServerSettings(urls=[server.url], max_new_tokens=64, concurrency=1, backoff_s=0.01)
+        settings = ServerSettings(urls=[server.url], concurrency=1, backoff_s=0.01)
         (got,) = regenerate(
             [conv],
             tiny_tokenizer,
             tmp_path / "r.jsonl",
-            RegenerationSettings(backend="server", server=settings, progress=False),
+            RegenerationSettings(backend="server", max_new_tokens=64, server=settings, progress=False),
         )
     assert [c["function"]["arguments"]["city"] for c in got[2]["tool_calls"]] == ["Paris", "Rome"]
     assert (

@@ -81,7 +81,7 @@ def test_server_token_ids_are_stored_and_trained(tmp_path):
     text = "The capital of France is Paris."
     sampled = _split_one_token(tok, tok(text, add_special_tokens=False)["input_ids"])
     conv = [CONV[3], {"role": "assistant", "content": "old"}]
-    settings = ServerSettings(urls=[], max_new_tokens=32, concurrency=2, backoff_s=0.01)
+    settings = ServerSettings(urls=[], concurrency=2, backoff_s=0.01)
     with FakeChatServer(tok, script=lambda messages: sampled) as server:
         settings.urls = [server.url]
         checks = Counter()
@@ -89,7 +89,7 @@ def test_server_token_ids_are_stored_and_trained(tmp_path):
             [conv],
             tok,
             tmp_path / "r.jsonl",
-            RegenerationSettings(backend="server", server=settings, progress=False),
+            RegenerationSettings(backend="server", max_new_tokens=32, server=settings, progress=False),
             token_checks=checks,
         )
     reply = got[-1]
