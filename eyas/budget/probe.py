@@ -9,6 +9,9 @@ from pathlib import Path
 from eyas.budget.rates import BudgetError, Rates
 from eyas.core.run_paths import RunPaths
 
+# a stage's process before its work: the interpreter, torch's and transformers' imports
+PROCESS_START_S = 5.0
+
 
 def measure(recipe, progress: bool = True) -> Rates:
     """Run the probe (module docstring) and return what it measured."""
@@ -18,7 +21,6 @@ def measure(recipe, progress: bool = True) -> Rates:
     from eyas.data.prepare import gather_conversations, regeneration_settings, render_all
     from eyas.data.regenerate import before_first_reply, done_records, regenerate
     from eyas.data.templates import prompt_ids
-    from eyas.eval.speculate import greedy_decode
     from eyas.target.load import load_recipe_target, resolve_target_path
     from eyas.train.batching import group_batches
     from eyas.train.step_timing import build_head_step, time_head_steps
@@ -37,8 +39,9 @@ def measure(recipe, progress: bool = True) -> Rates:
     t0 = time.perf_counter()
     conversations, report = gather_conversations(cfg)
     read = len(conversations) + report.dropped["duplicate"]  # data.max_samples counts repeats
+    t1 = time.perf_counter()
     target = load_recipe_target(t, work_rows=rg.batch_size if rg.enabled else cfg.capture_batch_tokens)
-    stage_start = time.perf_counter() - t0
+    read_s, load_s = t1 - t0, time.perf_counter() - t1
     tok = target.tokenizer
     cap = max(1, cfg.max_length - rg.max_new_tokens) if rg.enabled else cfg.max_length
     # the share whose first prompt fits is counted over the first quarter read; the probe
@@ -112,7 +115,7 @@ def measure(recipe, progress: bool = True) -> Rates:
     step_s, later_step_s = sorted(times.first_epoch)[1], sorted(times.later_epoch)[1]
     train_warmup_s = max(0.0, sum(times.warmup) - len(times.warmup) * step_s)
     del step
-    decode_s = _decode_seconds_per_token(recipe, target, tok, samples[0], greedy_decode)
+    decode_s, spec_s = _decode_seconds_per_token(recipe, target, tok, samples[0])
     return Rates(
         conversations_read=read,
         deduped=len(conversations),
@@ -128,7 +131,10 @@ def measure(recipe, progress: bool = True) -> Rates:
         capture_s_per_token=capture_s_per_token,
         uncopied_share=uncopied,
         decode_s_per_token=decode_s,
-        stage_start_s=stage_start + 5.0,
+        untrained_spec_s_per_token=spec_s,
+        stage_start_s=PROCESS_START_S,
+        read_s=read_s,
+        target_load_s=load_s,
     )
 
 
@@ -139,7 +145,6 @@ def _measure_training_only(recipe) -> Rates:
     the other run's first data.max_samples conversations where that is set."""
     from eyas.data.from_run import first_conversations
     from eyas.data.prepare import load_prepared, read_prepared_meta
-    from eyas.eval.speculate import greedy_decode
     from eyas.target.load import load_recipe_target
     from eyas.train.batching import group_batches
     from eyas.train.step_timing import build_head_step, time_head_steps
@@ -148,7 +153,7 @@ def _measure_training_only(recipe) -> Rates:
     t0 = time.perf_counter()
     train = load_prepared(recipe.paths.prepared)["train"]
     target = load_recipe_target(recipe.target, work_rows=recipe.train.batch_tokens)
-    stage_start = time.perf_counter() - t0
+    load_s = time.perf_counter() - t0  # the trainer's loading of the data and the target
     lengths = [len(x) for x in train["input_ids"]]
     keep = first_conversations(recipe, train)  # data.max_samples of the other run's conversations
     lengths = lengths if keep is None else [lengths[i] for i in keep]
@@ -165,7 +170,7 @@ def _measure_training_only(recipe) -> Rates:
     step_s, later_step_s = sorted(times.first_epoch)[1], sorted(times.later_epoch)[1]
     del step
     prompt = [{"role": "user", "content": "Write a short note about the sea."}]
-    decode_s = _decode_seconds_per_token(recipe, target, target.tokenizer, prompt, greedy_decode)
+    decode_s, spec_s = _decode_seconds_per_token(recipe, target, target.tokenizer, prompt)
     return Rates(
         conversations_read=len(lengths),
         deduped=len(lengths),
@@ -181,7 +186,10 @@ def _measure_training_only(recipe) -> Rates:
         capture_s_per_token=0.0,
         uncopied_share=1.0,
         decode_s_per_token=decode_s,
-        stage_start_s=stage_start + 5.0,
+        untrained_spec_s_per_token=spec_s,
+        stage_start_s=PROCESS_START_S,
+        read_s=0.0,
+        target_load_s=load_s,
     )
 
 
@@ -196,22 +204,37 @@ def _uncopied_share(settings, conversations, ids, masks) -> float:
     return missed / max(1, len(ids))
 
 
-def _decode_seconds_per_token(recipe, target, tokenizer, conversation, greedy_decode) -> float:
-    """Plain batch-1 greedy decoding of 24 tokens at the eval's dtype, per token. The
-    target is cast in place to that dtype: this is the probe's last use of it."""
+def _decode_seconds_per_token(recipe, target, tokenizer, conversation) -> tuple[float, float]:
+    """Batch-1 decoding of 24 tokens at the eval's dtype, per token: plain greedy, and
+    speculative with an untrained head of the recipe's shape (its drafts are rarely
+    accepted, so each verify yields about one token: what a weak head costs the eval; a
+    better head costs less). The target is cast in place to that dtype: this is the
+    probe's last use of it."""
     import torch
 
     from eyas.core.precision import resolve_dtype, shapes_of_config
     from eyas.data.regenerate import before_first_reply
     from eyas.data.templates import prompt_ids
+    from eyas.eval.speculate import HeadDrafter, greedy_decode, speculative_decode
+    from eyas.train.build import build_trainable_head, head_config_for
 
     model = target.model
     device = model.get_output_embeddings().weight.device
     name = recipe.eval.dtype or recipe.target.dtype
     shapes = shapes_of_config(target.config, recipe.eval.k + 1) if name == "auto" else None
-    model.to(getattr(torch, resolve_dtype(name, device, shapes)))
+    dtype = getattr(torch, resolve_dtype(name, device, shapes))
+    model.to(dtype)
     prompt = prompt_ids(tokenizer, before_first_reply(conversation))[-64:]
     greedy_decode(model, prompt, 2, set())
     start = time.perf_counter()
     trace = greedy_decode(model, prompt, 24, set())
-    return (time.perf_counter() - start) / max(1, len(trace.tokens))
+    plain = (time.perf_counter() - start) / max(1, len(trace.tokens))
+    freqs = torch.ones(target.config.vocab_size)
+    config = head_config_for(
+        recipe, target.config, verifier=recipe.target.name_or_path, tokenizer=tokenizer, token_freqs=freqs
+    )
+    head = build_trainable_head(config, model, freqs).to(device=device, dtype=dtype).eval()
+    speculative_decode(model, prompt, HeadDrafter(head), recipe.eval.k, 2, set())
+    start = time.perf_counter()
+    trace = speculative_decode(model, prompt, HeadDrafter(head), recipe.eval.k, 24, set())
+    return plain, (time.perf_counter() - start) / max(1, len(trace.tokens))

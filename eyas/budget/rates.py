@@ -9,11 +9,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# plain greedy, then speculative decoding, which costs up to a third more than plain when
-# the head is weak (K drafts and a K+1-token verify per accepted token or two); the n-gram
-# replay reuses the plain tokens
-EVAL_PASSES = 2.3
-
 
 class BudgetError(ValueError):
     """A budget that cannot be parsed or a recipe it cannot size; the message says which."""
@@ -42,7 +37,12 @@ class Rates:
     # kept regeneration states; a reply that re-encodes to other tokens is run again)
     uncopied_share: float
     decode_s_per_token: float  # plain batch-1 decoding at the eval's dtype
-    stage_start_s: float  # what each stage spends before its work (imports, loading the target)
+    # speculative decoding with an untrained head (about a token per verify): the eval's
+    # second pass at its slowest (the n-gram baseline replays the plain tokens)
+    untrained_spec_s_per_token: float
+    stage_start_s: float  # what every stage's process spends before its work (imports)
+    read_s: float  # reading the conversations (prepare only)
+    target_load_s: float  # loading the target (the stages that run it: prepare, capture, train, eval)
 
 
 def estimate(rates: Rates, recipe, max_samples: int, epochs: float) -> dict[str, float]:
@@ -61,7 +61,7 @@ def estimate(rates: Rates, recipe, max_samples: int, epochs: float) -> dict[str,
     captured = forward * rates.uncopied_share  # the copies counted as free
     train_samples = samples * (1 - cfg.eval_fraction)
     if cfg.from_run:  # another run's prepared data and cache, as they are: train samples counted
-        prepare, captured, train_samples = 0.0, 0.0, samples
+        train_samples = samples
     per_epoch = train_samples / max(rates.samples_per_step, 1e-9)
     steps = math.ceil(per_epoch * epochs / tr.grad_accum) * tr.grad_accum
     if tr.max_steps is not None:
@@ -74,12 +74,21 @@ def estimate(rates: Rates, recipe, max_samples: int, epochs: float) -> dict[str,
         captured, train = 0.0, train + forward * epochs
     turns = 2 if recipe.eval.workload == "mtbench" else 1
     prompts = recipe.eval.max_prompts or 80
-    evaluate = EVAL_PASSES * prompts * turns * recipe.eval.max_new_tokens * rates.decode_s_per_token
-    start = rates.stage_start_s
+    per_token = rates.decode_s_per_token + rates.untrained_spec_s_per_token
+    evaluate = prompts * turns * recipe.eval.max_new_tokens * per_token
+    start, load = rates.stage_start_s, rates.target_load_s
+    if cfg.from_run:  # prepare and capture only check the other run's data
+        return {
+            "prepare": start,
+            "capture": start,
+            "train": start + load + train,
+            "export": start,
+            "eval": start + load + evaluate,
+        }
     return {
-        "prepare": start + prepare,
-        "capture": start + captured,
-        "train": start + train,
+        "prepare": start + rates.read_s + load + prepare,
+        "capture": start + load + captured,
+        "train": start + load + train,
         "export": start,
-        "eval": start + evaluate,
+        "eval": start + load + evaluate,
     }

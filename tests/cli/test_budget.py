@@ -45,7 +45,10 @@ def rates(speed: float = 1.0) -> Rates:
         capture_s_per_token=1.2e-4 * speed,
         uncopied_share=0.05,
         decode_s_per_token=0.044 * speed,
-        stage_start_s=10.0,
+        untrained_spec_s_per_token=0.057 * speed,
+        stage_start_s=5.0,
+        read_s=3.0,
+        target_load_s=2.0,
     )
 
 
@@ -81,6 +84,18 @@ def test_prepare_is_estimated_to_regenerate_what_the_probe_left_of_the_conversat
     r = rates()
     regenerable = 4000 * 400 / 5400
     assert estimate(r, recipe, 400, 4)["prepare"] == pytest.approx(10.0 + (regenerable - 200) / 256 * 35.0)
+
+
+def test_only_prepare_pays_for_reading_the_conversations_and_export_for_no_target(recipe):
+    # reading ShareGPT took a minute of a slow machine's probe; counting it in every stage
+    # left four minutes of a 30-minute quickstart unused
+    slow_read = replace(rates(), read_s=60.0)
+    est, base = estimate(slow_read, recipe, 2000, 2), estimate(rates(), recipe, 2000, 2)
+    assert est["prepare"] == pytest.approx(base["prepare"] + 57.0)
+    assert all(est[k] == base[k] for k in ("capture", "train", "export", "eval"))
+    slow_load = estimate(replace(rates(), target_load_s=30.0), recipe, 2000, 2)
+    assert all(slow_load[k] == pytest.approx(base[k] + 28.0) for k in ("prepare", "capture", "train", "eval"))
+    assert slow_load["export"] == base["export"] == rates().stage_start_s
 
 
 def test_conversations_read_count_their_repeats_as_max_samples_does(recipe):
@@ -208,7 +223,12 @@ def test_probe_sizes_the_run_and_prepare_keeps_its_replies(tiny_llama_dir, tmp_p
     r = sized["rates"]
     assert len(r["probe_positions"]) == 16 and r["regen_batch_s"] > 0 and r["step_s"] > 0
     assert (r["conversations_read"], r["deduped"]) == (160, 140)
-    assert r["decode_s_per_token"] > 0 and r["samples_per_step"] >= 1 and r["sample_tokens"] > 10
+    assert (
+        r["decode_s_per_token"] > 0
+        and r["untrained_spec_s_per_token"] > 0
+        and r["samples_per_step"] >= 1
+        and r["sample_tokens"] > 10
+    )
     regenerated = run / "prepared" / "regenerated.jsonl"
     probe_records = regenerated.read_text().splitlines()
     assert len(probe_records) == 16
@@ -395,3 +415,19 @@ def test_the_load_of_other_processes_leaves_out_the_probes_own_work():
     assert loads(spin) < 0.5  # alone: its own spinning is no other load
     # readings that are missing say nothing
     assert other_load(None, (1.0, 1.0), 1.0) is None
+
+
+@pytest.mark.parametrize("recipe_path", [QUICKSTART, "recipes/smollm2-135m-peagle.yaml"])
+def test_the_probe_times_the_evals_speculative_pass_with_an_untrained_head(tiny_llama_dir, recipe_path):
+    # what the eval's second pass costs at its slowest, for the recipe's own head algorithm
+    from eyas.budget.probe import _decode_seconds_per_token
+    from eyas.target.load import load_target
+
+    recipe = load_recipe(
+        recipe_path,
+        [f"target.name_or_path={tiny_llama_dir}", "head.draft_vocab_size=64", "data.aux_layer_ids=[1,2,3]"],
+    )
+    target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    conversation = [{"role": "user", "content": "Name three colours."}]
+    plain, speculative = _decode_seconds_per_token(recipe, target, target.tokenizer, conversation)
+    assert 0 < plain and 0 < speculative
