@@ -21,7 +21,7 @@ def measure(recipe, progress: bool = True) -> Rates:
     from eyas.data.prepare import gather_conversations, regeneration_settings, render_all
     from eyas.data.regenerate import before_first_reply, done_records, regenerate
     from eyas.data.templates import prompt_ids
-    from eyas.target.load import load_recipe_target, resolve_target_path
+    from eyas.target.load import resolve_target_path
     from eyas.train.batching import group_batches
     from eyas.train.step_timing import build_head_step, time_head_steps
 
@@ -39,9 +39,8 @@ def measure(recipe, progress: bool = True) -> Rates:
     t0 = time.perf_counter()
     conversations, report = gather_conversations(cfg)
     read = len(conversations) + report.dropped["duplicate"]  # data.max_samples counts repeats
-    t1 = time.perf_counter()
-    target = load_recipe_target(t, work_rows=rg.batch_size if rg.enabled else cfg.capture_batch_tokens)
-    read_s, load_s = t1 - t0, time.perf_counter() - t1
+    read_s = time.perf_counter() - t0
+    target, load_s = _timed_load(t, rg.batch_size if rg.enabled else cfg.capture_batch_tokens)
     tok = target.tokenizer
     cap = max(1, cfg.max_length - rg.max_new_tokens) if rg.enabled else cfg.max_length
     # the share whose first prompt fits is counted over the first quarter read; the probe
@@ -145,15 +144,15 @@ def _measure_training_only(recipe) -> Rates:
     the other run's first data.max_samples conversations where that is set."""
     from eyas.data.from_run import first_conversations
     from eyas.data.prepare import load_prepared, read_prepared_meta
-    from eyas.target.load import load_recipe_target
     from eyas.train.batching import group_batches
     from eyas.train.step_timing import build_head_step, time_head_steps
 
     read_prepared_meta(recipe.paths.prepared, made_by=recipe.data.from_run)
     t0 = time.perf_counter()
     train = load_prepared(recipe.paths.prepared)["train"]
-    target = load_recipe_target(recipe.target, work_rows=recipe.train.batch_tokens)
-    load_s = time.perf_counter() - t0  # the trainer's loading of the data and the target
+    data_s = time.perf_counter() - t0
+    target, load_s = _timed_load(recipe.target, recipe.train.batch_tokens)
+    load_s += data_s  # the trainer loads the data and the target
     lengths = [len(x) for x in train["input_ids"]]
     keep = first_conversations(recipe, train)  # data.max_samples of the other run's conversations
     lengths = lengths if keep is None else [lengths[i] for i in keep]
@@ -191,6 +190,18 @@ def _measure_training_only(recipe) -> Rates:
         read_s=0.0,
         target_load_s=load_s,
     )
+
+
+def _timed_load(section, work_rows: int):
+    """The target and the seconds a stage's load of it takes: loaded twice, the second
+    timed, since the first also does what a machine does once (`dtype: auto` times bf16
+    against float32 and caches the choice; a minute where bf16 is emulated)."""
+    from eyas.target.load import load_recipe_target
+
+    load_recipe_target(section, work_rows=work_rows)
+    start = time.perf_counter()
+    target = load_recipe_target(section, work_rows=work_rows)
+    return target, time.perf_counter() - start
 
 
 def _uncopied_share(settings, conversations, ids, masks) -> float:
