@@ -19,7 +19,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,6 +33,9 @@ MAX_TIMED_VOCAB = 32768
 MAX_TIMED_ROWS = 256
 # bf16 this many times slower than float32 in one run decides the verdict at once.
 CLEAR_GAP = 10.0
+# The rows of the first, screening round are the timed rows divided by this: where bf16 is
+# emulated one full-size multiply takes up to a minute, and a screen settles it sooner.
+SCREEN_DIVISOR = 16
 
 
 @dataclass(frozen=True)
@@ -166,23 +169,31 @@ def cpu_bf16_is_faster(shapes: MatmulShapes | None = None) -> bool:
             known["shapes"],
         )
         return known["faster"] == "bfloat16"
-    # Two alternating rounds, the fastest of each dtype: a neighbour's burst in one round
-    # slows one dtype's figure once, not the whole verdict. A gap of CLEAR_GAP x is no
-    # neighbour's doing: one round settles it (bf16 emulated in software costs seconds a run).
-    rounds = []
-    for _ in range(2):
-        fp32 = time_matmuls(torch.float32, shapes, 0.1)
-        bf16 = time_matmuls(torch.bfloat16, shapes, 0.1, give_up_above=CLEAR_GAP * fp32)
-        rounds.append((bf16, fp32))
-        if bf16 > CLEAR_GAP * fp32:
-            break
+    # A gap of CLEAR_GAP x is no neighbour's doing: a screen on fewer rows settles it (bf16
+    # emulated in software costs seconds a run). Otherwise two alternating rounds, the
+    # fastest of each dtype: a neighbour's burst in one round slows one dtype's figure
+    # once, not the whole verdict.
+    timed = shapes.timed()
+    screen = replace(timed, rows=max(1, timed.rows // SCREEN_DIVISOR))
+    fp32 = time_matmuls(torch.float32, screen, 0.05)
+    bf16 = time_matmuls(torch.bfloat16, screen, 0.05, give_up_above=CLEAR_GAP * fp32)
+    if bf16 > CLEAR_GAP * fp32:
+        timed, rounds = screen, [(bf16, fp32)]
+    else:
+        timed, rounds = shapes, []
+        for _ in range(2):
+            fp32 = time_matmuls(torch.float32, shapes, 0.1)
+            bf16 = time_matmuls(torch.bfloat16, shapes, 0.1, give_up_above=CLEAR_GAP * fp32)
+            rounds.append((bf16, fp32))
+            if bf16 > CLEAR_GAP * fp32:
+                break
     bf16, fp32 = min(r[0] for r in rounds), min(r[1] for r in rounds)
     faster = "bfloat16" if bf16 < fp32 else "float32"
     verdicts[key] = {
         "faster": faster,
         "bfloat16_ms": round(bf16 * 1e3, 3),
         "float32_ms": round(fp32 * 1e3, 3),
-        "shapes": asdict(shapes.timed()),
+        "shapes": asdict(timed.timed()),
     }
     write_verdicts(CACHE_NAME, verdicts)
     log.info(
@@ -190,7 +201,7 @@ def cpu_bf16_is_faster(shapes: MatmulShapes | None = None) -> bool:
         faster,
         bf16 * 1e3,
         fp32 * 1e3,
-        asdict(shapes.timed()),
+        asdict(timed.timed()),
         cache_dir() / CACHE_NAME,
     )
     return faster == "bfloat16"

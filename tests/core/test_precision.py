@@ -81,6 +81,29 @@ def test_a_far_slower_bf16_is_timed_once(timed):
     assert calls == [torch.float32, torch.bfloat16]
 
 
+def test_an_emulated_bf16_is_settled_on_a_sixteenth_of_the_rows(monkeypatch, tmp_path):
+    # one full-size bf16 multiply took a minute on an AVX2-only EPYC: the screen decides first
+    monkeypatch.setenv("EYAS_CACHE_DIR", str(tmp_path))
+    rows = []
+
+    def fake(dtype, shapes, seconds=0.15, give_up_above=None):
+        rows.append(shapes.rows)
+        return (2.0 if dtype == torch.bfloat16 else 0.01) * shapes.rows / 256
+
+    monkeypatch.setattr(precision, "time_matmuls", fake)
+    assert precision.resolve_dtype("auto", "cpu", precision.MatmulShapes(rows=256)) == "float32"
+    assert rows == [16, 16]
+    (verdict,) = json.loads((precision.cache_dir() / precision.CACHE_NAME).read_text()).values()
+    assert verdict["shapes"]["rows"] == 16
+    # where bf16 is not far slower, the verdict is taken at the full rows
+    rows.clear()
+    monkeypatch.setattr(
+        precision, "time_matmuls", lambda dtype, shapes, *a, **k: rows.append(shapes.rows) or 0.01
+    )
+    precision.resolve_dtype("auto", "cpu", precision.MatmulShapes(rows=128))
+    assert rows[:2] == [8, 8] and set(rows[2:]) == {128}
+
+
 def test_the_timer_stops_after_a_run_slower_than_the_bound(monkeypatch):
     shapes = precision.MatmulShapes(hidden=64, intermediate=128, vocab=1000, rows=8)
     mm = torch.mm
