@@ -195,7 +195,7 @@ def _measure_training_only(recipe) -> Rates:
 def _timed_load(section, work_rows: int):
     """The target and the seconds a stage's load of it takes: loaded twice, the second
     timed, since the first also does what a machine does once (`dtype: auto` times bf16
-    against float32 and caches the choice; a minute where bf16 is emulated)."""
+    against float32 and caches the choice)."""
     from eyas.target.load import load_recipe_target
 
     load_recipe_target(section, work_rows=work_rows)
