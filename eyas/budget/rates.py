@@ -61,7 +61,7 @@ def estimate(rates: Rates, recipe, max_samples: int, epochs: float) -> dict[str,
     captured = forward * rates.uncopied_share  # the copies counted as free
     train_samples = samples * (1 - cfg.eval_fraction)
     if cfg.from_run:  # another run's prepared data and cache, as they are: train samples counted
-        train_samples = samples
+        prepare, captured, train_samples = 0.0, 0.0, samples
     per_epoch = train_samples / max(rates.samples_per_step, 1e-9)
     steps = math.ceil(per_epoch * epochs / tr.grad_accum) * tr.grad_accum
     if tr.max_steps is not None:
@@ -77,17 +77,11 @@ def estimate(rates: Rates, recipe, max_samples: int, epochs: float) -> dict[str,
     per_token = rates.decode_s_per_token + rates.untrained_spec_s_per_token
     evaluate = prompts * turns * recipe.eval.max_new_tokens * per_token
     start, load = rates.stage_start_s, rates.target_load_s
-    if cfg.from_run:  # prepare and capture only check the other run's data
-        return {
-            "prepare": start,
-            "capture": start,
-            "train": start + load + train,
-            "export": start,
-            "eval": start + load + evaluate,
-        }
+    # on another run's data prepare and capture only check it: nothing read, no target
+    read, data_load = (0.0, 0.0) if cfg.from_run else (rates.read_s, load)
     return {
-        "prepare": start + rates.read_s + load + prepare,
-        "capture": start + load + captured,
+        "prepare": start + read + data_load + prepare,
+        "capture": start + data_load + captured,
         "train": start + load + train,
         "export": start,
         "eval": start + load + evaluate,
