@@ -193,15 +193,14 @@ def _measure_training_only(recipe) -> Rates:
 
 
 def _timed_load(section, work_rows: int):
-    """The target and the seconds a stage's load of it takes: loaded twice, the second
-    timed, since the first also does what a machine does once (`dtype: auto` times bf16
-    against float32 and caches the choice)."""
+    """The target and the seconds a stage's load of it takes: the load's, less what it spent
+    on work a machine does once (`dtype: auto` timing bf16 against float32, then cached)."""
+    from eyas.core.precision import measuring_seconds
     from eyas.target.load import load_recipe_target
 
-    load_recipe_target(section, work_rows=work_rows)
-    start = time.perf_counter()
+    once, start = measuring_seconds(), time.perf_counter()
     target = load_recipe_target(section, work_rows=work_rows)
-    return target, time.perf_counter() - start
+    return target, time.perf_counter() - start - (measuring_seconds() - once)
 
 
 def _uncopied_share(settings, conversations, ids, masks) -> float:
@@ -236,16 +235,18 @@ def _decode_seconds_per_token(recipe, target, tokenizer, conversation) -> tuple[
     dtype = getattr(torch, resolve_dtype(name, device, shapes))
     model.to(dtype)
     prompt = prompt_ids(tokenizer, before_first_reply(conversation))[-64:]
-    greedy_decode(model, prompt, 2, set())
-    start = time.perf_counter()
-    trace = greedy_decode(model, prompt, 24, set())
-    plain = (time.perf_counter() - start) / max(1, len(trace.tokens))
+
+    def per_token(decode) -> float:  # 24 tokens after 2 of warm-up
+        decode(2)
+        start = time.perf_counter()
+        trace = decode(24)
+        return (time.perf_counter() - start) / max(1, len(trace.tokens))
+
     freqs = torch.ones(target.config.vocab_size)
     config = head_config_for(
         recipe, target.config, verifier=recipe.target.name_or_path, tokenizer=tokenizer, token_freqs=freqs
     )
     head = build_trainable_head(config, model, freqs).to(device=device, dtype=dtype).eval()
-    speculative_decode(model, prompt, HeadDrafter(head), recipe.eval.k, 2, set())
-    start = time.perf_counter()
-    trace = speculative_decode(model, prompt, HeadDrafter(head), recipe.eval.k, 24, set())
-    return plain, (time.perf_counter() - start) / max(1, len(trace.tokens))
+    plain = per_token(lambda n: greedy_decode(model, prompt, n, set()))
+    k = recipe.eval.k
+    return plain, per_token(lambda n: speculative_decode(model, prompt, HeadDrafter(head), k, n, set()))

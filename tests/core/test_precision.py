@@ -91,8 +91,14 @@ def test_an_emulated_bf16_is_settled_on_a_sixteenth_of_the_rows(monkeypatch, tmp
         return (2.0 if dtype == torch.bfloat16 else 0.01) * shapes.rows / 256
 
     monkeypatch.setattr(precision, "time_matmuls", fake)
+    spent = precision.measuring_seconds()
     assert precision.resolve_dtype("auto", "cpu", precision.MatmulShapes(rows=256)) == "float32"
     assert rows == [16, 16]
+    # measuring is counted (the budget's probe leaves it out of a stage's start-up)...
+    assert precision.measuring_seconds() > spent
+    spent = precision.measuring_seconds()
+    precision.resolve_dtype("auto", "cpu", precision.MatmulShapes(rows=256))
+    assert precision.measuring_seconds() == spent  # ...reading the cached verdict is not
     (verdict,) = json.loads((precision.cache_dir() / precision.CACHE_NAME).read_text()).values()
     assert verdict["shapes"]["rows"] == 16
     # where bf16 is not far slower, the verdict is taken at the full rows
