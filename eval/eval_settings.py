@@ -20,6 +20,9 @@ class EvalSettings:
     tie_tolerance: float | None = None
     # Token-only drafters walked over the plain output instead of decoded (greedy only).
     replay: frozenset[str] = frozenset()
+    # Under greedy: the prompts (evenly spaced) every drafter decodes; on the others each is
+    # replayed over the plain output. None: all decoded.
+    decoded_prompts: int | None = None
     # The sampler at temperature > 0: the target's distribution shaped by top_k (0: off)
     # and top_p; `greedy_drafts`: the drafter proposes its argmax, as vLLM's does.
     top_k: int = 0
@@ -39,6 +42,7 @@ class EvalSettings:
             seed=ev.seed,
             tie_tolerance=tie_tolerance,
             replay=frozenset(replay),
+            decoded_prompts=ev.decoded_prompts,
             top_k=ev.top_k,
             top_p=ev.top_p,
             greedy_drafts=ev.sampler == "vllm" and ev.draft_sample_method == "greedy",

@@ -40,6 +40,9 @@ def run_eval(
     `drafters`: name -> drafter (`HeadDrafter`, `NgramDrafter`). The drafters named in
     `settings.replay` (token-only ones, greedy only) are walked over the plain output with
     `replay_greedy` instead of decoded: the same acceptance, no decode time, no tok/s.
+    Under greedy, with `settings.decoded_prompts`, only that many prompts (evenly spaced)
+    are decoded by every drafter; on the others every drafter is replayed, and tok/s and
+    the lossless check come from the decoded ones.
     With `record_path`, each prompt's decodings are appended there as it finishes and the
     prompts already recorded from the same prompt and `identity` (target, heads, settings)
     are read back instead of decoded (eval/sequence_log.py): a killed eval resumes.
@@ -58,7 +61,8 @@ def run_eval(
     device = model.get_output_embeddings().weight.device
     tol = TIE_TOLERANCE.get(model.dtype, 1e-4) if s.tie_tolerance is None else s.tie_tolerance
     exact = model.dtype in EXACT_DTYPES
-    plain_traces, traces = [], {name: [] for name in drafters}
+    decoded_at = decoded_prompt_indices(len(prompts), s.decoded_prompts if temperature <= 0 else None)
+    plain_traces, timed_plain, traces = [], [], {name: [] for name in drafters}
     by_cat: dict[str, dict[str, list]] = {}
     by_turn: dict[int, dict[str, list]] = {}
     mismatches, checked = [], 0
@@ -75,16 +79,22 @@ def run_eval(
         sources = [prompt_source(p, run, f if temperature > 0 else None) for p, f in zip(prompts, firsts)]
     done = resumed_prompts(Path(record_path), sources, drafters) if record_path else {}
 
-    def collect(prompt, turn: int, plain, decoded: dict, found: list[dict]) -> None:
+    def replayed_at(index: int) -> set[str]:
+        return replay if index in decoded_at else set(drafters)
+
+    def collect(index: int, turn: int, plain, decoded: dict, found: list[dict]) -> None:
         nonlocal checked
+        prompt = prompts[index]
         plain_traces.append(plain)
+        if index in decoded_at:
+            timed_plain.append(plain)
         cat = by_cat.setdefault(prompt.category, {name: [] for name in drafters})
         per_turn = by_turn.setdefault(turn + 1, {name: [] for name in drafters})
         for name, tr in decoded.items():
             traces[name].append(tr)
             cat[name].append(tr)
             per_turn[name].append(tr)
-            checked += int(temperature <= 0 and name not in replay)
+            checked += int(temperature <= 0 and name not in replayed_at(index))
         mismatches.extend(found)
 
     # Warm-up outside the timings (first calls allocate and pick kernels).
@@ -105,13 +115,14 @@ def run_eval(
     for index, prompt in enumerate(prompts):
         if index in done:  # decoded by an earlier, killed run of this eval
             for turn, (plain, decoded, found) in enumerate(done[index]):
-                collect(prompt, turn, plain, decoded, found)
+                collect(index, turn, plain, decoded, found)
             seq += len(prompt.turns)
             if bar:
                 bar.update(len(prompt.turns))
             continue
         replies: list[str] = []
         record_turns = []
+        replay_here = replayed_at(index)
         for turn in range(len(prompt.turns)):
             ids = render_turn(tokenizer, prompt, replies)
             # one prefill of the turn for plain decoding and every drafter reading these states
@@ -119,8 +130,8 @@ def run_eval(
             plain = greedy_decode(model, ids, max_new_tokens, eos, shared)
             decoded, found = {}, []
             for name, drafter in drafters.items():
-                if name in replay:
-                    tr = replay_greedy(model, ids, plain.tokens, drafter, k, max_new_tokens, eos)
+                if name in replay_here:
+                    tr = replay_greedy(model, ids, plain.tokens, drafter, k, max_new_tokens, eos, shared)
                 else:
                     gen = (
                         torch.Generator(device=device).manual_seed(seed * 1_000_003 + seq)
@@ -140,9 +151,9 @@ def run_eval(
                         shared=shared,
                     )
                 decoded[name] = tr
-                if temperature <= 0 and name not in replay:
+                if temperature <= 0 and name not in replay_here:
                     found.extend(mismatch_record(plain, tr, name, prompt, turn, tol, exact))
-            collect(prompt, turn, plain, decoded, found)
+            collect(index, turn, plain, decoded, found)
             record_turns.append(turn_record(plain, decoded, found))
             # The history as the model wrote it: its own special tokens decoded and parsed
             # (harmony's analysis / final channels), not stripped into run-on text.
@@ -160,10 +171,14 @@ def run_eval(
             )
     if bar:
         bar.close()
+    plain_summary = summarize(plain_traces, k)
+    # the speed beside the drafters' is plain decoding's on the prompts they decoded
+    plain_summary["tokens_per_s"] = summarize(timed_plain, k)["tokens_per_s"]
     return {
         "num_prompts": len(prompts),
         "num_sequences": seq,
-        "plain": summarize(plain_traces, k),
+        "decoded_prompts": len(decoded_at),
+        "plain": plain_summary,
         "drafters": {name: summarize(t, k) for name, t in traces.items()},
         # what decides a compared head: its τ against the head's on the same sequences
         "paired_vs_head": paired_against_head(traces),
@@ -180,6 +195,14 @@ def run_eval(
         # the tokens the target wrote here that a head can propose at all (its draft vocabulary)
         "draft_vocab_coverage": _draft_vocab_coverage(drafters, plain_traces, model.config.vocab_size),
     }
+
+
+def decoded_prompt_indices(count: int, decoded: int | None) -> set[int]:
+    """The prompts every drafter decodes: all (None), else `decoded` of them evenly spaced
+    over the workload's order (its categories), the first included."""
+    if decoded is None or decoded >= count:
+        return set(range(count))
+    return {i * count // decoded for i in range(decoded)}
 
 
 def _draft_vocab_coverage(drafters: dict, plain_traces, vocab_size: int) -> dict[str, float]:

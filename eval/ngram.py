@@ -50,8 +50,9 @@ class NgramDrafter:
     def start(self, prompt: list[int], first_token: int, aux=None) -> None:
         self._tokens = list(prompt) + [first_token]
 
-    def propose(self, k: int, temperature: float = 0.0, generator=None):
-        """-> (draft ids LongTensor [k' <= k], None: a one-hot draft distribution)."""
+    def propose(self, k: int, temperature: float = 0.0, generator=None, truth=None):
+        """-> (draft ids LongTensor [k' <= k], None: a one-hot draft distribution). `truth`
+        (a replay's target tokens) changes nothing: prompt lookup reads only tokens."""
         ids = ngram_propose(np.asarray(self._tokens, dtype=np.int64), k, self.min_n, self.max_n)
         return torch.from_numpy(ids.copy()), None
 

@@ -96,11 +96,12 @@ def summarize(traces, k: int) -> dict:
         known.append(r)
     tokens = sum(len(t.tokens) for t in traces)
     seconds = sum(t.seconds for t in traces)
+    timed_tokens = sum(len(t.tokens) for t in traces if t.seconds > 0)  # replayed traces: 0 s
     out = {
         "sequences": len(traces),
         "generated_tokens": tokens,
         "seconds": round(seconds, 4),
-        "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "tokens_per_s": timed_tokens / seconds if seconds > 0 else None,
         "target_forwards": sum(t.forwards for t in traces),
     }
     if steps:
@@ -228,11 +229,19 @@ def format_table(rows: list[list[str]]) -> str:
 
 
 def _replay_notes(report: dict) -> list[str]:
-    return [
+    lines = [
         f"{name}: replayed over the plain greedy tokens (the tau and acceptance decoding gives; tok/s not "
         "measured: --decode-baseline decodes it)"
         for name in report.get("replayed", [])
     ]
+    decoded, prompts = report.get("decoded_prompts", report["num_prompts"]), report["num_prompts"]
+    if decoded < prompts:
+        lines.append(
+            f"decoded against the target on {decoded} of the {prompts} prompts (tok/s and the lossless check "
+            f"there), replayed over the plain greedy tokens on the other {prompts - decoded} (the same "
+            "acceptance up to float rounding): --decoded-prompts sets how many"
+        )
+    return lines
 
 
 def _paired_lines(report: dict) -> list[str]:

@@ -234,28 +234,46 @@ def speculative_decode(
 
 @torch.no_grad()
 def replay_greedy(
-    model, prompt: list[int], reference: list[int], drafter, k: int, max_new_tokens: int, eos_ids: set[int]
+    model,
+    prompt: list[int],
+    reference: list[int],
+    drafter,
+    k: int,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    shared: Prefill | None = None,
 ) -> DecodeTrace:
-    """The trace `speculative_decode` gives at temperature 0, for a drafter that reads only
-    tokens (`aux_layer_ids` empty, e.g. n-gram), walked over the plain greedy output
-    `reference` instead of decoded: under greedy a draft token is accepted exactly when it
-    equals the target's next greedy token, which `reference` already holds. Only a draft
-    that runs past the end of `reference` (over its EOS or its `max_new_tokens`) still
-    matching needs the target: one forward over the context gives the tokens there.
-    `seconds` is 0: nothing was timed, so tok/s stays unmeasured."""
-    if drafter.aux_layer_ids:
-        raise ValueError(
-            f"replay_greedy needs a drafter that reads tokens only; {drafter.name!r} reads target states"
-        )
+    """The trace `speculative_decode` gives at temperature 0, walked over the plain greedy
+    output `reference` instead of decoded: under greedy a draft token is accepted exactly
+    when it equals the target's next greedy token, which `reference` already holds. A head
+    reads the target's states at the accepted slots: one forward over `reference` after the
+    prompt's prefill (`shared` when it holds them) gives them all, equal to the verify
+    forwards' up to float rounding; its chain stops at the first draft `reference` rejects
+    (`propose(truth=...)`). Only a draft that runs past the end of `reference` (over its
+    EOS or its `max_new_tokens`) still matching needs the target again: one forward over
+    the context gives the tokens there. `seconds` is 0: nothing was timed, so tok/s stays
+    unmeasured (DESIGN §6)."""
     device = model.get_output_embeddings().weight.device
+    aux = None
+    if drafter.aux_layer_ids:
+        cache, _, prompt_aux, _ = _start(model, prompt, drafter.aux_layer_ids, shared)
+        with capture_aux(model, drafter.aux_layer_ids) as grabbed:
+            model(
+                input_ids=torch.tensor([reference], device=device),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        aux = torch.cat([prompt_aux, grabbed["aux"][0]])  # the target's states at every position
     trace = DecodeTrace(tokens=[], seconds=0.0, forwards=1)
     last = reference[0]
-    drafter.start(prompt, last, None)
+    drafter.start(prompt, last, aux[: len(prompt)] if aux is not None else None)
     generated = [last]
     while last not in eos_ids and len(generated) < max_new_tokens:
-        draft = drafter.propose(k)[0].tolist()
-        kd, g = len(draft), len(generated)
-        truth = reference[g : g + kd + 1]  # the target's greedy token at positions g .. g+kd
+        g = len(generated)
+        truth = reference[g : g + k + 1]  # the target's greedy token at positions g .. g+k
+        draft = drafter.propose(k, truth=truth)[0].tolist()
+        kd = len(draft)
         n = 0
         while n < kd and n < len(truth) and draft[n] == truth[n]:
             n += 1
@@ -269,7 +287,9 @@ def replay_greedy(
         trace.contexts.append(len(prompt) + g)
         trace.drafted.append(kd)
         trace.accepted.append(n)
-        drafter.commit(new, None)
+        # the verify forward's states: the slots of `last` and the accepted drafts
+        start = len(prompt) + g - 1
+        drafter.commit(new, aux[start : start + n + 1] if aux is not None else None)
         last = _extend_to_eos(generated, new, eos_ids)
     trace.tokens = generated[:max_new_tokens]
     return trace
@@ -297,7 +317,11 @@ class HeadDrafter:
     def commit(self, new_tokens: list[int], aux: torch.Tensor) -> None:
         self._pending = (new_tokens, aux)
 
-    def propose(self, k: int, temperature: float = 0.0, generator=None):
+    def propose(self, k: int, temperature: float = 0.0, generator=None, truth: list[int] | None = None):
+        """-> (draft target ids [k], q [k, Vt] at temperature > 0 else None). `truth`: the
+        target's greedy tokens at the draft positions, as far as known (a greedy replay):
+        the chain stops at the first draft that differs, and the ids it did not draft are
+        -1 (nothing after a rejected draft is accepted)."""
         tokens, aux = self._pending
         n = len(tokens)
         positions = torch.arange(self._next_pos, self._next_pos + n, device=self.device)[None]
@@ -309,8 +333,11 @@ class HeadDrafter:
             k,
             temperature,
             generator,
+            keep_going=None if truth is None else lambda j, ids: j >= len(truth) or int(ids[0]) == truth[j],
         )
         self._next_pos += n
+        if ids.shape[1] < k:
+            ids = torch.cat([ids, ids.new_full((1, k - ids.shape[1]), -1)], dim=1)
         q = None
         if temperature > 0:
             q_draft = torch.softmax(logits[0].float() / temperature, dim=-1)

@@ -217,6 +217,11 @@ class EvalSection(_Section):
     # tokens (the same tau and acceptance, none of its decode time; its tok/s is not
     # measured). True, or no head: decoded against the target, its tok/s measured.
     decode_baseline: bool = False
+    # Under greedy, how many prompts (evenly spaced) every drafter decodes against the
+    # target: tok/s and the lossless check come from those. On the others each is replayed
+    # over the plain greedy tokens, the same acceptance for a fraction of the time (DESIGN
+    # §6). None: all decoded. Sampled evals decode every prompt.
+    decoded_prompts: PositiveInt | None = None
     seed: int = 0
     # At temperature > 0 (DESIGN §6): "vllm" drafts and accepts as vLLM does (the drafter's
     # argmax accepted with the target's probability, unless draft_sample_method is

@@ -134,14 +134,25 @@ class Eagle3Head(nn.Module):
 
     @torch.no_grad()
     def draft(
-        self, cache: HeadCache, tokens, aux, positions, k: int, temperature: float = 0.0, generator=None
+        self,
+        cache: HeadCache,
+        tokens,
+        aux,
+        positions,
+        k: int,
+        temperature: float = 0.0,
+        generator=None,
+        keep_going=None,
     ):
         """Chain drafting, one head step per draft token.
 
         `tokens/aux/positions` `[B, n]` are the step-0 entries committed since the last
         call (slot t carries token x_{t+1} and the target's features at t); the last is
         the newest verified slot p. Returns `(draft target ids [B, k], draft logits
-        [B, k, Vd])`; the cache keeps only step-0 entries afterwards.
+        [B, k, Vd])`; the cache keeps only step-0 entries afterwards. `keep_going(j, ids
+        [B])`, asked after step j (not the last), may end the chain early: the ids and
+        logits returned then cover the steps taken (a replay stops at the first draft the
+        target rejects: nothing after it is accepted).
         """
         base = cache.length + tokens.shape[1]
         logits, hid = self.forward_step(tokens, self.combine_aux(aux), positions, cache)
@@ -152,8 +163,9 @@ class Eagle3Head(nn.Module):
             all_logits.append(logits[:, 0])
             tok = sample_tokens(logits[:, 0], temperature, generator=generator)
             ids.append(self.to_target_ids(tok))
-            if j + 1 < k:
-                logits, hid = self.forward_step(ids[-1][:, None], hid, pos + j + 1, cache)
+            if j + 1 == k or (keep_going is not None and not keep_going(j, ids[-1])):
+                break
+            logits, hid = self.forward_step(ids[-1][:, None], hid, pos + j + 1, cache)
         cache.crop(base)
         return torch.stack(ids, dim=1), torch.stack(all_logits, dim=1)
 

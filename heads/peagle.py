@@ -60,9 +60,18 @@ class PEagleHead(Eagle3Head):
 
     @torch.no_grad()
     def draft(
-        self, cache: HeadCache, tokens, aux, positions, k: int, temperature: float = 0.0, generator=None
+        self,
+        cache: HeadCache,
+        tokens,
+        aux,
+        positions,
+        k: int,
+        temperature: float = 0.0,
+        generator=None,
+        keep_going=None,
     ):
-        """One-pass drafting of k tokens; same contract as `Eagle3Head.draft`."""
+        """One-pass drafting of k tokens; same contract as `Eagle3Head.draft` (one pass
+        drafts every token at once, so `keep_going` is never asked)."""
         b, n = tokens.shape
         base = cache.length + n
         mask_ids, mask_aux = self.mask_slot_inputs(b, k - 1, tokens.device)

@@ -114,7 +114,7 @@ def measure(recipe, progress: bool = True) -> Rates:
     step_s, later_step_s = sorted(times.first_epoch)[1], sorted(times.later_epoch)[1]
     train_warmup_s = max(0.0, sum(times.warmup) - len(times.warmup) * step_s)
     del step
-    decode_s, spec_s = _decode_seconds_per_token(recipe, target, tok, samples[0])
+    decode_s, spec_s, replay_s = _decode_seconds_per_token(recipe, target, tok, samples[0])
     return Rates(
         conversations_read=read,
         deduped=len(conversations),
@@ -131,6 +131,7 @@ def measure(recipe, progress: bool = True) -> Rates:
         uncopied_share=uncopied,
         decode_s_per_token=decode_s,
         untrained_spec_s_per_token=spec_s,
+        untrained_replay_s_per_token=replay_s,
         stage_start_s=PROCESS_START_S,
         read_s=read_s,
         target_load_s=load_s,
@@ -169,7 +170,7 @@ def _measure_training_only(recipe) -> Rates:
     step_s, later_step_s = sorted(times.first_epoch)[1], sorted(times.later_epoch)[1]
     del step
     prompt = [{"role": "user", "content": "Write a short note about the sea."}]
-    decode_s, spec_s = _decode_seconds_per_token(recipe, target, target.tokenizer, prompt)
+    decode_s, spec_s, replay_s = _decode_seconds_per_token(recipe, target, target.tokenizer, prompt)
     return Rates(
         conversations_read=len(lengths),
         deduped=len(lengths),
@@ -186,6 +187,7 @@ def _measure_training_only(recipe) -> Rates:
         uncopied_share=1.0,
         decode_s_per_token=decode_s,
         untrained_spec_s_per_token=spec_s,
+        untrained_replay_s_per_token=replay_s,
         stage_start_s=PROCESS_START_S,
         read_s=0.0,
         target_load_s=load_s,
@@ -214,18 +216,19 @@ def _uncopied_share(settings, conversations, ids, masks) -> float:
     return missed / max(1, len(ids))
 
 
-def _decode_seconds_per_token(recipe, target, tokenizer, conversation) -> tuple[float, float]:
-    """Batch-1 decoding of 24 tokens at the eval's dtype, per token: plain greedy, and
-    speculative with an untrained head of the recipe's shape (its drafts are rarely
+def _decode_seconds_per_token(recipe, target, tokenizer, conversation) -> tuple[float, float, float]:
+    """Batch-1 decoding of 24 tokens at the eval's dtype, per token: plain greedy; then an
+    untrained head of the recipe's shape decoding speculatively (its drafts are rarely
     accepted, so each verify yields about one token: what a weak head costs the eval; a
-    better head costs less). The target is cast in place to that dtype: this is the
-    probe's last use of it."""
+    better head costs less) and replayed over the plain tokens (a draft step per token,
+    whatever the head: its chain stops at the first rejected draft). The target is cast in
+    place to that dtype: this is the probe's last use of it."""
     import torch
 
     from eyas.core.precision import resolve_dtype, shapes_of_config
     from eyas.data.regenerate import before_first_reply
     from eyas.data.templates import prompt_ids
-    from eyas.eval.speculate import HeadDrafter, greedy_decode, speculative_decode
+    from eyas.eval.speculate import HeadDrafter, greedy_decode, replay_greedy, speculative_decode
     from eyas.train.build import build_trainable_head, head_config_for
 
     model = target.model
@@ -247,6 +250,9 @@ def _decode_seconds_per_token(recipe, target, tokenizer, conversation) -> tuple[
         recipe, target.config, verifier=recipe.target.name_or_path, tokenizer=tokenizer, token_freqs=freqs
     )
     head = build_trainable_head(config, model, freqs).to(device=device, dtype=dtype).eval()
+    reference = greedy_decode(model, prompt, 24, set()).tokens
     plain = per_token(lambda n: greedy_decode(model, prompt, n, set()))
     k = recipe.eval.k
-    return plain, per_token(lambda n: speculative_decode(model, prompt, HeadDrafter(head), k, n, set()))
+    spec = per_token(lambda n: speculative_decode(model, prompt, HeadDrafter(head), k, n, set()))
+    replay = per_token(lambda n: replay_greedy(model, prompt, reference[:n], HeadDrafter(head), k, n, set()))
+    return plain, spec, replay

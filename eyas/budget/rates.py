@@ -40,6 +40,8 @@ class Rates:
     # speculative decoding with an untrained head (about a token per verify): the eval's
     # second pass at its slowest (the n-gram baseline replays the plain tokens)
     untrained_spec_s_per_token: float
+    # the same head replayed over plain tokens: the eval's prompts beyond eval.decoded_prompts
+    untrained_replay_s_per_token: float
     stage_start_s: float  # what every stage's process spends before its work (imports)
     read_s: float  # reading the conversations (prepare only)
     target_load_s: float  # loading the target (the stages that run it: prepare, capture, train, eval)
@@ -72,10 +74,15 @@ def estimate(rates: Rates, recipe, max_samples: int, epochs: float) -> dict[str,
     train = rates.train_warmup_s + first * rates.step_s + (steps - first) * rates.later_step_s + evals
     if cfg.features != "offline":  # the target (or engine) runs as the trainer reads, every epoch
         captured, train = 0.0, train + forward * epochs
-    turns = 2 if recipe.eval.workload == "mtbench" else 1
-    prompts = recipe.eval.max_prompts or 80
-    per_token = rates.decode_s_per_token + rates.untrained_spec_s_per_token
-    evaluate = prompts * turns * recipe.eval.max_new_tokens * per_token
+    ev = recipe.eval
+    turns = 2 if ev.workload == "mtbench" else 1
+    prompts = ev.max_prompts or 80
+    # plain decoding on every prompt; the head decoded on eval.decoded_prompts, replayed on the rest
+    decoded = prompts if ev.temperature > 0 else min(prompts, ev.decoded_prompts or prompts)
+    drafted = (
+        decoded * rates.untrained_spec_s_per_token + (prompts - decoded) * rates.untrained_replay_s_per_token
+    )
+    evaluate = turns * ev.max_new_tokens * (prompts * rates.decode_s_per_token + drafted)
     start, load = rates.stage_start_s, rates.target_load_s
     # on another run's data prepare and capture only check it: nothing read, no target
     read, data_load = (0.0, 0.0) if cfg.from_run else (rates.read_s, load)

@@ -74,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode the baseline against the target to measure its tok/s (default under greedy: "
         "replay it over the plain greedy tokens, the same tau and acceptance)",
     )
+    parser.add_argument(
+        "--decoded-prompts",
+        type=int,
+        help="under greedy, decode only this many prompts (evenly spaced) against the target, for "
+        "tok/s and the lossless check; replay every drafter over the plain tokens on the rest, the "
+        "same acceptance (default: eval.decoded_prompts, else all)",
+    )
     parser.add_argument("--seed", type=int)
     parser.add_argument(
         "--dtype",
@@ -92,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # The command-line flags that set an eval recipe key of the same name.
 EVAL_FLAGS = (
     "workload", "k", "max_prompts", "max_new_tokens", "temperature", "baseline",
-    "ngram_min", "ngram_max", "decode_baseline", "seed", "dtype",
+    "ngram_min", "ngram_max", "decode_baseline", "decoded_prompts", "seed", "dtype",
     "sampler", "draft_sample_method", "top_k", "top_p",
 )  # fmt: skip
 

@@ -46,6 +46,7 @@ def rates(speed: float = 1.0) -> Rates:
         uncopied_share=0.05,
         decode_s_per_token=0.044 * speed,
         untrained_spec_s_per_token=0.057 * speed,
+        untrained_replay_s_per_token=0.012 * speed,
         stage_start_s=5.0,
         read_s=3.0,
         target_load_s=2.0,
@@ -226,6 +227,7 @@ def test_probe_sizes_the_run_and_prepare_keeps_its_replies(tiny_llama_dir, tmp_p
     assert (
         r["decode_s_per_token"] > 0
         and r["untrained_spec_s_per_token"] > 0
+        and r["untrained_replay_s_per_token"] > 0
         and r["samples_per_step"] >= 1
         and r["sample_tokens"] > 10
     )
@@ -429,8 +431,24 @@ def test_the_probe_times_the_evals_speculative_pass_with_an_untrained_head(tiny_
     )
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
     conversation = [{"role": "user", "content": "Name three colours."}]
-    plain, speculative = _decode_seconds_per_token(recipe, target, target.tokenizer, conversation)
-    assert 0 < plain and 0 < speculative
+    plain, speculative, replayed = _decode_seconds_per_token(recipe, target, target.tokenizer, conversation)
+    assert 0 < plain and 0 < speculative and 0 < replayed
+
+
+def test_the_eval_estimate_decodes_the_head_on_eval_decoded_prompts_and_replays_it_elsewhere():
+    quick = load_recipe(
+        QUICKSTART, ["eval.max_prompts=10", "eval.max_new_tokens=100", "eval.decoded_prompts=2"]
+    )
+    r, start = rates(), 5.0 + 2.0  # a stage's process start and the target's load
+    per_turn = 100 * (
+        10 * r.decode_s_per_token + 2 * r.untrained_spec_s_per_token + 8 * r.untrained_replay_s_per_token
+    )
+    assert estimate(r, quick, 2000, 3)["eval"] == pytest.approx(start + 2 * per_turn)  # MT-bench: 2 turns
+    # every prompt decoded: unset, or sampled (a replay needs greedy)
+    for overrides in (["eval.decoded_prompts=null"], ["eval.temperature=1.0"]):
+        every = load_recipe(QUICKSTART, ["eval.max_prompts=10", "eval.max_new_tokens=100", *overrides])
+        all_decoded = 2 * 100 * 10 * (r.decode_s_per_token + r.untrained_spec_s_per_token)
+        assert estimate(r, every, 2000, 3)["eval"] == pytest.approx(start + all_decoded)
 
 
 def test_a_stages_target_load_is_timed_without_what_the_machine_does_once(monkeypatch):

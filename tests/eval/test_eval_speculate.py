@@ -328,13 +328,45 @@ def test_ngram_replay_gives_the_decoded_trace(tiny_llama_dir, eos_at):
     assert checked_steps > 10  # prompt lookup was accepted often enough to mean something
 
 
-def test_replay_refuses_a_drafter_that_reads_target_states(tiny_llama_dir):
-    from eyas.eval.speculate import replay_greedy
+@torch.no_grad()
+def reading_head(model, algorithm, eps=0.2):
+    """The copy head with its values also reading the target's states (through `fc` and
+    the hidden path, scaled by `eps`): its drafts depend on the states it is fed, and at
+    eps 0.2 they are right about half the time."""
+    head = copy_head(model, algorithm)
+    g = torch.Generator().manual_seed(1)
+    head.layers[0].hidden_norm.weight.fill_(1.0)
+    head.fc.weight.copy_(torch.randn(head.fc.weight.shape, generator=g))
+    head.layers[0].self_attn.v_proj.weight[:, H:].copy_(eps * torch.randn(H, H, generator=g))
+    return head
 
-    target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
-    head = HeadDrafter(random_head(target.model))
-    with pytest.raises(ValueError, match="reads target states"):
-        replay_greedy(target.model, [5, 6, 7], [8, 9], head, 3, 8, set())
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "peagle"])
+def test_head_replay_gives_the_decoded_trace(tiny_llama_dir, algorithm):
+    """A head replayed over the plain greedy tokens (its states from one forward over them,
+    its chain stopped at the first rejected draft) accepts what decoding it accepts, step
+    by step: the states it is fed are those of the slots the verify forwards accepted."""
+    from eyas.eval.speculate import prefill, replay_greedy
+
+    target, _ = bigram_target(tiny_llama_dir)
+    model = target.model
+    head = reading_head(model, algorithm)
+    decoded_traces = []
+    for prompt in _prompts(3):
+        for max_new in (23, 60):
+            shared = prefill(model, prompt, head.config.aux_layer_ids)
+            plain = greedy_decode(model, prompt, max_new, set(), shared)
+            decoded = speculative_decode(model, prompt, HeadDrafter(head), 5, max_new, set(), shared=shared)
+            replayed = replay_greedy(
+                model, prompt, plain.tokens, HeadDrafter(head), 5, max_new, set(), shared
+            )
+            assert replayed.tokens == decoded.tokens == plain.tokens
+            assert replayed.drafted == decoded.drafted
+            assert replayed.accepted == decoded.accepted
+            assert replayed.forwards == decoded.forwards
+            decoded_traces.append(decoded)
+    rates = summarize(decoded_traces, 5)["per_position_acceptance"]
+    assert 0.3 < rates[0] < 0.8  # drafts both accepted and rejected: the comparison means something
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -171,6 +171,18 @@ def test_eval_cli_baseline_and_head(tmp_path, tiny_llama_dir, capsys):
     assert decoded_ngram["tokens_per_s"] > 0
     for key in ("tau", "verify_steps", "accepted", "proposed", "per_position_acceptance"):
         assert replayed_ngram[key] == decoded_ngram[key], key
+    # --decoded-prompts 1: the head decoded on the first prompt, replayed on the second; the
+    # same acceptance, tok/s and the lossless check from the decoded prompt
+    rc = main(["eval", *common, "--head", str(tmp_path / "head"), "--out", str(tmp_path / "ev3"), "--json",
+               "--decoded-prompts", "1"])  # fmt: skip
+    partly = json.loads(capsys.readouterr().out)
+    assert rc == 0 and partly["decoded_prompts"] == 1 and partly["lossless"]["checked"] == 2
+    for key in ("tau", "verify_steps", "accepted", "proposed", "per_position_acceptance"):
+        assert partly["drafters"]["head"][key] == report["drafters"]["head"][key], key
+    assert partly["drafters"]["head"]["tokens_per_s"] > 0 and partly["plain"]["tokens_per_s"] > 0
+    rc = main(["eval", *common, "--head", str(tmp_path / "head"), "--out", str(tmp_path / "ev3"),
+               "--decoded-prompts", "1"])  # fmt: skip
+    assert rc == 0 and "decoded against the target on 1 of the 2 prompts" in capsys.readouterr().out
     rc = main(["eval", *common, "--baseline", "ngram", "--out", str(tmp_path / "ev2")])
     out = capsys.readouterr().out
     assert rc == 0 and "plain greedy" in out and "ngram" in out and "lossless check: PASSED" in out
