@@ -128,7 +128,7 @@ def test_a_slower_machine_reads_fewer_conversations_first(recipe):
 
 
 def test_a_much_slower_machine_then_trains_fewer_epochs(recipe):
-    r = rates(speed=3.0)
+    r = rates(speed=3.5)
     left = total(rates(), recipe, 5400, 4)
     c = choose(r, recipe, left)
     # conversations down to a quarter of the recipe's before an epoch goes
@@ -159,7 +159,7 @@ def test_an_impossible_budget_is_said(recipe):
 
 
 def test_keys_the_user_set_are_kept(recipe):
-    r = rates(speed=3.0)
+    r = rates(speed=3.5)
     left = total(rates(), recipe, 5400, 4)
     c = choose(r, recipe, left, fixed=("data.max_samples",))
     assert c.max_samples == 5400 and c.epochs < 4.0
