@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command: set up (or reuse) the virtual environment, lint (ruff), then run pytest.
-#   scripts/test.sh               the fast suite (~5 min), then the slow end-to-end tests
+#   scripts/test.sh               the fast suite (15-19 min on 2 cores), then the slow end-to-end tests
 #                                 (real SmolLM2, SIGKILL/resume, DDP and DeepSpeed launches, and
 #                                 the real vLLM of .venv-vllm, set up here: regeneration through
 #                                 `vllm serve`, heads served with eyas's acceptance)
@@ -28,7 +28,8 @@ fi
 # Lint and format first: seconds, and a failure names the file and line.
 "$VENV/bin/ruff" check . && "$VENV/bin/ruff" format --check . || {
   echo "ruff: run '$VENV/bin/ruff format . && $VENV/bin/ruff check --fix .'" >&2; exit 1; }
-run_pytest -m "not slow and not vllm and not cuda" -q
+# --durations: the slowest tests of each tier in the log, where the CI time goes
+run_pytest -m "not slow and not vllm and not cuda" -q --durations=15
 rc=$?
 if [ $rc -eq 0 ] && [ "${EYAS_TEST_FAST:-0}" != "1" ]; then
   slow="slow and not cuda"
@@ -37,7 +38,7 @@ if [ $rc -eq 0 ] && [ "${EYAS_TEST_FAST:-0}" != "1" ]; then
   else
     scripts/setup_vllm_env.sh || { echo "vLLM environment setup failed (EYAS_TEST_VLLM=0 skips it)" >&2; exit 1; }
   fi
-  run_pytest -m "$slow" -q
+  run_pytest -m "$slow" -q --durations=15
   rc=$?
 fi
 exit $rc
