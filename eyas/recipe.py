@@ -127,6 +127,10 @@ class TrainSection(_Section):
     betas: tuple[Beta, Beta] = (0.9, 0.95)
     warmup_steps: int = Field(100, ge=0)
     max_steps: int | None = Field(None, ge=1)  # None: epochs decide
+    # Stop after this many minutes of training steps in this process, as a job's or a time
+    # budget's wall clock requires: the run saves its checkpoint and final head there, and a
+    # rerun resumes from it. None: the steps decide.
+    max_minutes: float | None = Field(None, gt=0)
     epochs: float = Field(1.0, gt=0)
     batch_tokens: int = Field(8192, ge=1)  # tokens per micro-batch (length-bucketed)
     max_batch_size: int = Field(64, ge=1)

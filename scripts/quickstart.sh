@@ -64,7 +64,15 @@ stamp "capture: the target's hidden states (skipped for online features)"
 took capture
 
 stamp "train: the draft head (head.algorithm of the recipe)"
-"${EYAS[@]}" train --recipe "$RECIPE" "${ARGS[@]}"
+LIMIT=()
+if [ "$BUDGET" != off ]; then
+  # training ends where the budget leaves export and eval their estimates, should the
+  # machine have slowed since the probe (a rerun resumes the training)
+  limit=$("${EYAS[@]}" budget --recipe "$RECIPE" --budget "$BUDGET" --train-limit \
+    --spent "$(( $(date +%s) - start ))" "$@")
+  [ -z "$limit" ] || LIMIT=("$limit")
+fi
+"${EYAS[@]}" train --recipe "$RECIPE" "${ARGS[@]}" "${LIMIT[@]}"
 took train
 
 stamp "export: the vLLM (speculators) format, validated"

@@ -233,10 +233,20 @@ def clip_gradients(accelerator, model, params, max_norm: float) -> torch.Tensor 
 
 def any_rank_nonfinite(accelerator, loss: torch.Tensor) -> bool:
     """Whether the loss is non-finite on any rank, so every rank skips the same update."""
-    nonfinite = (~torch.isfinite(loss.detach())).float()
+    return _on_any_rank(accelerator, ~torch.isfinite(loss.detach()))
+
+
+def any_rank_past(accelerator, deadline: float) -> bool:
+    """Whether `time.monotonic()` has passed `deadline` on any rank, so every rank stops
+    after the same step (ranks that stopped apart would wait on each other's collectives)."""
+    return _on_any_rank(accelerator, torch.tensor(time.monotonic() > deadline, device=accelerator.device))
+
+
+def _on_any_rank(accelerator, flag: torch.Tensor) -> bool:
+    flag = flag.float()
     if accelerator.num_processes > 1:
-        nonfinite = accelerator.reduce(nonfinite, reduction="sum")
-    return nonfinite.item() > 0
+        flag = accelerator.reduce(flag, reduction="sum")
+    return flag.item() > 0
 
 
 def sum_counts_over_ranks(accelerator, meter) -> None:

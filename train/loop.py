@@ -22,6 +22,7 @@ import torch
 from eyas.train.checkpoint import save_checkpoint
 from eyas.train.distributed import (
     any_rank_nonfinite,
+    any_rank_past,
     clip_gradients,
     make_accelerator,
     sum_counts_over_ranks,
@@ -74,9 +75,21 @@ def train(
 
 
 def _train_steps(run) -> None:
-    """Step, evaluate and checkpoint until the run's last step; save the head."""
+    """Step, evaluate and checkpoint until the run's last step, or until
+    `train.max_minutes` have passed; save the head."""
     cfg, accelerator, recipe = run.recipe.train, run.accelerator, run.recipe
+    deadline = time.monotonic() + 60 * cfg.max_minutes if cfg.max_minutes else None
     while run.state.step < run.total:
+        if deadline is not None and any_rank_past(accelerator, deadline):
+            run.stopped_at_deadline = True
+            if accelerator.is_main_process:
+                log.warning(
+                    "train.max_minutes (%g) reached: stopping at step %d of %d (a rerun resumes from here)",
+                    cfg.max_minutes,
+                    run.state.step,
+                    run.total,
+                )
+            break
         skipped = train_step(run)
         run.state.step += 1
         run.bar.update(1)
@@ -294,4 +307,5 @@ def _summary(run: Run) -> dict:
         "eval": run.last_eval,
         "nonfinite_steps": run.state.nonfinite_total,
         "settings_changes": run.state.changes,
+        "stopped_at_deadline": run.stopped_at_deadline,
     }

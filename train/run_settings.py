@@ -36,6 +36,7 @@ OPERATIONAL_TRAIN_KEYS = frozenset(
         "cpu_threads",
         "compile_loss",
         "max_nonfinite_steps",
+        "max_minutes",
     }
 )
 

@@ -55,6 +55,7 @@ class Run:
     grad_norm: float | None = None  # before clipping, at the last update (None: not measured)
     window_start: float = 0.0  # the throughput window since the last train log
     window_tokens: int = 0
+    stopped_at_deadline: bool = False  # train.max_minutes ended the run before its last step
 
 
 def setup(recipe, target, accelerator, earlier: EarlierRun, progress: bool, stack: ExitStack) -> Run:

@@ -4,6 +4,16 @@ estimates per stage), `probe` (the stages' own code timed on this machine) and `
 uses are here."""
 
 from eyas.budget.rates import BudgetError, Rates, estimate
-from eyas.budget.sizing import SIZED_KEYS, choose, parse_duration, report, size_run
+from eyas.budget.sizing import SIZED_KEYS, choose, parse_duration, report, size_run, train_minutes
 
-__all__ = ["SIZED_KEYS", "BudgetError", "Rates", "choose", "estimate", "parse_duration", "report", "size_run"]
+__all__ = [
+    "SIZED_KEYS",
+    "BudgetError",
+    "Rates",
+    "choose",
+    "estimate",
+    "parse_duration",
+    "report",
+    "size_run",
+    "train_minutes",
+]

@@ -89,6 +89,15 @@ def _most_epochs(rates, recipe, left, n: int, lo: float, hi: float) -> float | N
     return fitting[-1] if fitting else None
 
 
+def train_minutes(sized: dict, budget_s: float, spent_s: float) -> float:
+    """The minutes training may take when it starts `spent_s` into the budget: what is
+    left once export and eval have their estimates. A machine that slowed after the probe
+    (its phase moves within minutes) then ends training early rather than the run late;
+    at least a minute."""
+    est = sized["estimates_s"]
+    return max(1.0, (budget_s - spent_s - est["export"] - est["eval"]) / 60)
+
+
 def kept_keys(recipe, fixed: tuple[str, ...]) -> tuple[str, ...]:
     """The sized keys that keep the recipe's value: those the user set, and the number of
     conversations of a run on another run's data (data.from_run: that data is what it is)."""

@@ -7,10 +7,12 @@ train.epochs so the run fits the budget; never more than the recipe's. Prints th
 overrides to pass to every stage, one per line, on stdout (the reasons go to the log),
 and writes them with the estimates to run_dir/budget.json; a rerun with the same budget
 reuses that file. With --report, sets each stage's time against its estimate and its
-share of the budget.
+share of the budget. With --train-limit, prints the train.max_minutes that leaves export
+and eval their estimates when training starts --spent seconds into the budget.
 
 examples:
   eyas budget -r recipes/smollm2-135m-eagle3.yaml --budget 30m --spent 60
+  eyas budget -r recipes/smollm2-135m-eagle3.yaml --budget 30m --spent 900 --train-limit
   eyas budget -r recipes/smollm2-135m-eagle3.yaml --budget 30m --report setup=60 prepare=480 train=700
 """
 
@@ -42,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the overrides are stage=seconds: print them against the sizing's estimates",
     )
+    parser.add_argument(
+        "--train-limit",
+        action="store_true",
+        help="print train.max_minutes for a training that starts --spent seconds into the budget, "
+        "from run_dir/budget.json (nothing when the command line sets train.max_minutes)",
+    )
     parser.add_argument("--json", action="store_true", help="print the sizing (or the report's rows) as JSON")
 
 
@@ -54,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(err), code=2) from None
     if args.report:
         return _report(args, budget_s)
+    if args.train_limit:
+        return _train_limit(args, budget_s)
     recipe = load_recipe_from_args(args, writes="prepare")
     fixed = tuple(k for k in SIZED_KEYS if any(o.split("=", 1)[0] == k for o in args.overrides))
     try:
@@ -88,6 +98,19 @@ def _stdout_to_stderr():
         os.dup2(saved_fd, 1)
         os.close(saved_fd)
         sys.stdout = saved
+
+
+def _train_limit(args: argparse.Namespace, budget_s: float) -> int:
+    from eyas.budget import train_minutes
+
+    if any(o.split("=", 1)[0] == "train.max_minutes" for o in args.overrides):
+        return 0  # the user's own limit stands
+    recipe = load_recipe_from_args(args)
+    path = recipe.paths.budget
+    if not path.is_file():
+        raise CommandError(f"{path} does not exist: size the run first (eyas budget without --train-limit)")
+    print(f"train.max_minutes={train_minutes(json.loads(path.read_text()), budget_s, args.spent):.2f}")
+    return 0
 
 
 def _report(args: argparse.Namespace, budget_s: float) -> int:

@@ -472,3 +472,23 @@ def test_a_stages_target_load_is_timed_without_what_the_machine_does_once(monkey
     assert probe._timed_load(object(), 256) == ("target 1", 5.0)
     assert probe._timed_load(object(), 256) == ("target 2", 5.0)
     assert loads == [256, 256]
+
+
+def test_training_is_limited_to_what_export_and_eval_leave_of_the_budget(tmp_path, capsys):
+    # the machine slowed after the probe and prepare ran late: training gets what is left
+    # once export and eval have their estimates, so the run still ends inside the budget
+    run = tmp_path / "run"
+    run.mkdir()
+    estimates = {"prepare": 217.0, "capture": 10.0, "train": 622.0, "export": 5.0, "eval": 289.0}
+    (run / "budget.json").write_text(json.dumps({"estimates_s": estimates}))
+    common = ["budget", "-r", QUICKSTART, "--budget", "30m", "--train-limit"]
+    assert main([*common, "--spent", "816", f"run_dir={run}"]) == 0  # 13.6 of the 30 minutes gone
+    assert capsys.readouterr().out.split() == [f"train.max_minutes={(1800 - 816 - 5 - 289) / 60:.2f}"]
+    assert main([*common, "--spent", "1700", f"run_dir={run}"]) == 0  # nothing left: a minute all the same
+    assert capsys.readouterr().out.split() == ["train.max_minutes=1.00"]
+    # the user's own limit stands
+    assert main([*common, "--spent", "816", f"run_dir={run}", "train.max_minutes=20"]) == 0
+    assert capsys.readouterr().out == ""
+    (run / "budget.json").unlink()
+    assert main([*common, "--spent", "816", f"run_dir={run}"]) == 1
+    assert "size the run first" in capsys.readouterr().err

@@ -113,6 +113,31 @@ def test_repeated_nonfinite_losses_stop_with_checkpoint(online_run, tmp_path, mo
     assert ckpts == ["step-00000003"]
 
 
+def test_max_minutes_stops_with_the_head_saved_and_a_rerun_resumes(online_run, tmp_path, monkeypatch):
+    """train.max_minutes ends the run after the step in progress: its checkpoint and final
+    head are saved, the run is not finished, and a rerun without the limit (an operational
+    key: the same run) resumes from there to the last step."""
+    import eyas.train.loop as loop
+
+    real_step = loop.train_step
+
+    def slow_step(run):  # a step of a second at least: 20 of them outlast the 3 s limit
+        time.sleep(1.0)
+        return real_step(run)
+
+    monkeypatch.setattr(loop, "train_step", slow_step)
+    recipe = _with(online_run, tmp_path / "run", max_steps=20, max_minutes=0.05, save_every=0)
+    _link_prepared(online_run, recipe)
+    summary = loop.train(recipe, progress=False)
+    stopped = summary["step"]
+    assert summary["stopped_at_deadline"] and 1 <= stopped < 20
+    assert sorted(p.name for p in recipe.paths.checkpoints.iterdir()) == ["final", f"step-{stopped:08d}"]
+    monkeypatch.setattr(loop, "train_step", real_step)
+    resumed = loop.train(_with(online_run, tmp_path / "run", max_steps=20, save_every=0), progress=False)
+    assert resumed["step"] == 20 and not resumed["stopped_at_deadline"]
+    assert not resumed.get("already_finished")
+
+
 def _launch(recipe_path: Path, extra=(), env=None):
     return subprocess.Popen(
         [sys.executable, "-m", "eyas.train", "--recipe", str(recipe_path), "--no-progress", *extra],
