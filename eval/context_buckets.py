@@ -7,7 +7,7 @@ The engine (bench-serve) reports acceptance per request, not per step: there a r
 falls in the bucket of its context halfway through its output.
 
 This module holds the buckets, the split of traces, the table and the plot; the summaries sit
-beside the ones they extend: eval/report.py::summarize_by_context (offline draft steps) and
+beside the ones they extend: summarize_by_context below (offline draft steps) and
 eval/request_metrics.py::records_by_context (the engine's per-request records).
 """
 
@@ -136,3 +136,20 @@ def plot_by_context(report: dict, path: Path) -> Path | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def summarize_by_context(traces, k: int, edges=DEFAULT_EDGES) -> dict[str, dict]:
+    """{bucket label: the §6 summary of its draft steps (τ, TAR, per-position acceptance)},
+    buckets without a step left out; each also says the contexts it covers."""
+    from eyas.eval.report import summarize  # the report imports this module's tables and plots
+
+    out = {}
+    for label, parts in split_by_context(traces, edges).items():
+        summary = summarize(parts, k)
+        contexts = [c for p in parts for c in p.contexts]
+        out[label] = {
+            "steps": summary.get("verify_steps", 0),
+            "context_range": [min(contexts), max(contexts)],
+            **{key: summary.get(key) for key in ("tau", "tau_se", "tar", "per_position_acceptance")},
+        }
+    return out

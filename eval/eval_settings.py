@@ -49,6 +49,12 @@ class EvalSettings:
             context_buckets=tuple(ev.context_buckets),
         )
 
+    def decoded_at(self, count: int) -> set[int]:
+        """The prompts every drafter decodes: all, or under greedy `decoded_prompts` of the
+        `count` evenly spaced (the first included)."""
+        n = self.decoded_prompts if self.temperature <= 0 else None
+        return set(range(count)) if not n or n >= count else {i * count // n for i in range(n)}
+
     @property
     def sampling(self) -> dict:
         """`speculative_decode`'s sampler keywords."""

@@ -14,9 +14,10 @@ import torch
 from eyas.core.record_log import append_record
 from eyas.core.run_paths import RunPaths
 from eyas.data.reasoning import decoded_reply
+from eyas.eval.context_buckets import summarize_by_context
 from eyas.eval.eval_settings import EvalSettings
 from eyas.eval.lossless import EXACT_DTYPES, TIE_TOLERANCE, lossless_verdict, mismatch_record
-from eyas.eval.report import paired_against_head, summarize, summarize_by_context
+from eyas.eval.report import paired_against_head, summarize
 from eyas.eval.sequence_log import head_identity, prompt_source, resumed_prompts, turn_record
 from eyas.eval.speculate import greedy_decode, prefill, replay_greedy, speculative_decode
 from eyas.eval.workloads import WorkloadPrompt, render_turn
@@ -61,7 +62,7 @@ def run_eval(
     device = model.get_output_embeddings().weight.device
     tol = TIE_TOLERANCE.get(model.dtype, 1e-4) if s.tie_tolerance is None else s.tie_tolerance
     exact = model.dtype in EXACT_DTYPES
-    decoded_at = decoded_prompt_indices(len(prompts), s.decoded_prompts if temperature <= 0 else None)
+    decoded_at = s.decoded_at(len(prompts))
     plain_traces, timed_plain, traces = [], [], {name: [] for name in drafters}
     by_cat: dict[str, dict[str, list]] = {}
     by_turn: dict[int, dict[str, list]] = {}
@@ -195,14 +196,6 @@ def run_eval(
         # the tokens the target wrote here that a head can propose at all (its draft vocabulary)
         "draft_vocab_coverage": _draft_vocab_coverage(drafters, plain_traces, model.config.vocab_size),
     }
-
-
-def decoded_prompt_indices(count: int, decoded: int | None) -> set[int]:
-    """The prompts every drafter decodes: all (None), else `decoded` of them evenly spaced
-    over the workload's order (its categories), the first included."""
-    if decoded is None or decoded >= count:
-        return set(range(count))
-    return {i * count // decoded for i in range(decoded)}
 
 
 def _draft_vocab_coverage(drafters: dict, plain_traces, vocab_size: int) -> dict[str, float]:

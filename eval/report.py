@@ -16,7 +16,7 @@ from pathlib import Path
 
 from eyas.core.acceptance import expected_tokens_per_step
 from eyas.core.run_paths import RunPaths
-from eyas.eval.context_buckets import DEFAULT_EDGES, context_lines, plot_by_context, split_by_context
+from eyas.eval.context_buckets import context_lines, plot_by_context
 
 # A head whose first draft token the target accepts less than this often predicts it
 # poorly. Judged at position 1, not by TAR: TAR falls with K as deep positions decay, so
@@ -389,18 +389,3 @@ def write_outputs(report: dict, out_dir: str | Path) -> dict[str, str]:
     if plot_by_context(report, out / RunPaths.EVAL_CONTEXT_PLOT):
         paths["context_png"] = out / RunPaths.EVAL_CONTEXT_PLOT
     return {k: str(v) for k, v in paths.items()}
-
-
-def summarize_by_context(traces, k: int, edges=DEFAULT_EDGES) -> dict[str, dict]:
-    """{bucket label: the §6 summary of its draft steps (τ, TAR, per-position acceptance)},
-    buckets without a step left out; each also says the contexts it covers."""
-    out = {}
-    for label, parts in split_by_context(traces, edges).items():
-        summary = summarize(parts, k)
-        contexts = [c for p in parts for c in p.contexts]
-        out[label] = {
-            "steps": summary.get("verify_steps", 0),
-            "context_range": [min(contexts), max(contexts)],
-            **{key: summary.get(key) for key in ("tau", "tau_se", "tar", "per_position_acceptance")},
-        }
-    return out

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from eyas.core.record_log import read_records
 from eyas.eval.eval_settings import EvalSettings
-from eyas.eval.evaluate import decoded_prompt_indices, load_eval_head, run_eval
+from eyas.eval.evaluate import load_eval_head, run_eval
 from eyas.eval.ngram import NgramDrafter
 from eyas.eval.speculate import HeadDrafter
 from eyas.eval.workloads import load_workload
@@ -61,7 +61,7 @@ def main() -> int:
             )
             seconds[mode] = round(time.perf_counter() - start, 1)
             logs[mode] = {rec["index"]: rec["turns"] for rec in read_records(log)[0]}
-    decoded_at = decoded_prompt_indices(len(prompts), args.decoded_prompts)
+    decoded_at = settings.decoded_at(len(prompts))  # the replayed run's
     turns = steps = turns_differing = steps_differing = 0
     for index, replayed_turns in logs["replayed"].items():
         if index in decoded_at:

@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from eyas.eval.context_buckets import bucket_labels, context_lines
-from eyas.eval.report import summarize_by_context
+from eyas.eval.context_buckets import bucket_labels, context_lines, summarize_by_context
 from eyas.eval.request_metrics import records_by_context
 from eyas.eval.speculate import DecodeTrace
 

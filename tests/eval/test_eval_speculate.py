@@ -405,8 +405,7 @@ def test_sampled_steps_that_draft_nothing_keep_the_trace_aligned(tiny_llama_dir)
     """At temperature > 0 prompt lookup drafts nothing on many steps: each step still has its
     (empty) expected-acceptance row, so the per-context split and the summary read step i's
     row for step i (a sampled eval with the n-gram baseline once failed at its very end)."""
-    from eyas.eval.context_buckets import split_by_context
-    from eyas.eval.report import summarize_by_context
+    from eyas.eval.context_buckets import split_by_context, summarize_by_context
 
     target = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 9]
