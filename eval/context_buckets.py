@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from eyas.eval.trace_summary import summarize
+
 DEFAULT_EDGES = (2048, 8192, 32768)
 
 
@@ -69,7 +71,7 @@ def _se(x) -> str:
 
 def context_lines(report: dict) -> list[str]:
     """The printed table: per drafter, τ (± its standard error over sequences,
-    eval/report.py::tau_standard_error) and first-position acceptance in each bucket."""
+    eval/trace_summary.py::tau_standard_error) and first-position acceptance in each bucket."""
     by_drafter = report.get("per_context") or {}
     labels = bucket_labels(report.get("context_buckets") or DEFAULT_EDGES)
     present = [label for label in labels if any(label in b for b in by_drafter.values())]
@@ -141,8 +143,6 @@ def plot_by_context(report: dict, path: Path) -> Path | None:
 def summarize_by_context(traces, k: int, edges=DEFAULT_EDGES) -> dict[str, dict]:
     """{bucket label: the §6 summary of its draft steps (τ, TAR, per-position acceptance)},
     buckets without a step left out; each also says the contexts it covers."""
-    from eyas.eval.report import summarize  # the report imports this module's tables and plots
-
     out = {}
     for label, parts in split_by_context(traces, edges).items():
         summary = summarize(parts, k)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from eyas.eval.report import summarize
+from eyas.eval.trace_summary import summarize
 
 # What eyas's offline decoding computes, as a number a saved offline.json is keyed by: bumped
 # when a change of eyas moves its τ for the same settings, so a rerun does not reuse the old

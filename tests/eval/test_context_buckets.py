@@ -112,7 +112,7 @@ def test_tau_standard_error_treats_sequences_as_the_unit():
     """Three sequences of two K=2 steps accepting 4, 0 and 2 tokens: τ = 2; the error of
     a ratio of sums over 3 sequences is sqrt(3/2 · Σ(a - n)²) / 6 = sqrt(12) / 6. Sequences
     that all accept alike have no spread; one sequence has no estimate."""
-    from eyas.eval.report import summarize, tau_standard_error
+    from eyas.eval.trace_summary import summarize, tau_standard_error
 
     def seq(accepted):
         return DecodeTrace(
@@ -136,7 +136,7 @@ def test_paired_tau_difference_cancels_what_the_prompts_share():
     step of the two easy sequences. Alone each τ spreads with the prompts; paired, the
     difference's error is only how unevenly the gain falls (here the hard sequence gains
     nothing), well under the spread of either τ."""
-    from eyas.eval.report import paired_against_head, paired_tau_difference, tau_standard_error
+    from eyas.eval.trace_summary import paired_against_head, paired_tau_difference, tau_standard_error
 
     def seq(accepted):
         return DecodeTrace(tokens=[1], seconds=1.0, forwards=3, drafted=[3, 3], accepted=accepted)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eyas.eval.ngram import NgramDrafter
-from eyas.eval.report import summarize
+from eyas.eval.trace_summary import summarize
 from eyas.eval.speculate import HeadDrafter, greedy_decode, rejection_sample, speculative_decode
 from eyas.heads.algorithms import build_head
 from eyas.heads.config import head_config_from_target
