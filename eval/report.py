@@ -1,12 +1,6 @@
-"""Summaries of decode traces and the evaluation report: a printed table, JSON,
-markdown and a PNG, plus `eval_report.json` (the exporter's model card reads it).
-
-Definitions (DESIGN §6):
-- tau: tokens per target verify forward, every decode step counted (a step whose drafter
-  proposed nothing yields 1 token); the prefill forward is left out of both.
-- per-position acceptance a_k: accepted at draft position k / steps that reached k
-  (positions 1..k-1 accepted and a k-th token was proposed).
-- TAR: accepted draft tokens / proposed draft tokens.
+"""The evaluation report: a printed table with its warnings, JSON, markdown and a PNG,
+plus `eval_report.json` (the exporter's model card reads it). The numbers in it come from
+eval/trace_summary.py.
 """
 
 from __future__ import annotations

@@ -2,6 +2,13 @@
 drafter, τ's standard error with sequences as the unit, and the paired difference of two
 drafters decoded over the same sequences. The report, the context buckets and the offline
 match all summarize with these.
+
+Definitions (DESIGN §6):
+- tau: tokens per target verify forward, every decode step counted (a step whose drafter
+  proposed nothing yields 1 token); the prefill forward is left out of both.
+- per-position acceptance a_k: accepted at draft position k / steps that reached k
+  (positions 1..k-1 accepted and a k-th token was proposed).
+- TAR: accepted draft tokens / proposed draft tokens.
 """
 
 from __future__ import annotations
