@@ -17,9 +17,9 @@ from eyas.data.reasoning import decoded_reply
 from eyas.eval.context_buckets import summarize_by_context
 from eyas.eval.eval_settings import EvalSettings
 from eyas.eval.lossless import EXACT_DTYPES, TIE_TOLERANCE, lossless_verdict, mismatch_record
-from eyas.eval.trace_summary import paired_against_head, summarize
 from eyas.eval.sequence_log import head_identity, prompt_source, resumed_prompts, turn_record
 from eyas.eval.speculate import greedy_decode, prefill, replay_greedy, speculative_decode
+from eyas.eval.trace_summary import paired_against_head, summarize
 from eyas.eval.workloads import WorkloadPrompt, render_turn
 from eyas.target.load import stop_token_ids
 

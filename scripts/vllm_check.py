@@ -283,8 +283,8 @@ class EyasSide:
     def speculate(self, head) -> dict:
         """eyas's offline speculative decoding of every prompt (greedy, no EOS stop, like
         the vLLM runs): traces summarised with eyas.eval.report plus vLLM-style counts."""
-        from eyas.eval.trace_summary import summarize
         from eyas.eval.speculate import HeadDrafter, speculative_decode
+        from eyas.eval.trace_summary import summarize
 
         drafter = HeadDrafter(head.float().eval())
         traces = [

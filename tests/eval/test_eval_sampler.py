@@ -11,8 +11,8 @@ import pytest
 import torch
 from test_eval_speculate import bigram_target, copy_head
 
-from eyas.eval.trace_summary import summarize
 from eyas.eval.speculate import HeadDrafter, speculative_decode
+from eyas.eval.trace_summary import summarize
 from eyas.target.features import target_norm_and_lm_head
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from eyas.eval.ngram import NgramDrafter
-from eyas.eval.trace_summary import summarize
 from eyas.eval.speculate import HeadDrafter, greedy_decode, rejection_sample, speculative_decode
+from eyas.eval.trace_summary import summarize
 from eyas.heads.algorithms import build_head
 from eyas.heads.config import head_config_from_target
 from eyas.target.features import compute_features, target_norm_and_lm_head

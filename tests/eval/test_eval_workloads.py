@@ -9,8 +9,8 @@ from eyas.cli import main
 from eyas.data.sources import mtbench_path
 from eyas.eval.ngram import ngram_propose
 from eyas.eval.report import verdicts
-from eyas.eval.trace_summary import summarize
 from eyas.eval.speculate import DecodeTrace
+from eyas.eval.trace_summary import summarize
 from eyas.eval.workloads import load_workload, render_turn, subsample
 
 
