@@ -239,22 +239,22 @@ def _decode_seconds_per_token(recipe, target, tokenizer, conversation) -> tuple[
     model.to(dtype)
     prompt = prompt_ids(tokenizer, before_first_reply(conversation))[-64:]
 
-    traces = []  # the last timed trace: plain decoding's tokens are what the replay walks
-
-    def per_token(decode) -> float:  # 24 tokens after 2 of warm-up
+    def per_token(decode):  # (seconds a token, the trace) over 24 tokens after 2 of warm-up
         decode(2)
         start = time.perf_counter()
-        traces.append(decode(24))
-        return (time.perf_counter() - start) / max(1, len(traces[-1].tokens))
+        trace = decode(24)
+        return (time.perf_counter() - start) / max(1, len(trace.tokens)), trace
 
     freqs = torch.ones(target.config.vocab_size)
     config = head_config_for(
         recipe, target.config, verifier=recipe.target.name_or_path, tokenizer=tokenizer, token_freqs=freqs
     )
     head = build_trainable_head(config, model, freqs).to(device=device, dtype=dtype).eval()
-    plain = per_token(lambda n: greedy_decode(model, prompt, n, set()))
-    reference = traces[-1].tokens
+    plain, timed = per_token(lambda n: greedy_decode(model, prompt, n, set()))
+    reference = timed.tokens  # the replay walks plain decoding's own tokens
     k = recipe.eval.k
-    spec = per_token(lambda n: speculative_decode(model, prompt, HeadDrafter(head), k, n, set()))
-    replay = per_token(lambda n: replay_greedy(model, prompt, reference[:n], HeadDrafter(head), k, n, set()))
+    spec, _ = per_token(lambda n: speculative_decode(model, prompt, HeadDrafter(head), k, n, set()))
+    replay, _ = per_token(
+        lambda n: replay_greedy(model, prompt, reference[:n], HeadDrafter(head), k, n, set())
+    )
     return plain, spec, replay

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.train_limit:
         return _train_limit(args, budget_s)
     recipe = load_recipe_from_args(args, writes="prepare")
-    fixed = tuple(k for k in SIZED_KEYS if any(o.split("=", 1)[0] == k for o in args.overrides))
+    fixed = tuple(k for k in SIZED_KEYS if _overrides(args, k))
     try:
         with _stdout_to_stderr():
             sized = size_run(recipe, budget_s, args.spent, fixed, progress=not args.no_progress)
@@ -100,10 +100,15 @@ def _stdout_to_stderr():
         sys.stdout = saved
 
 
+def _overrides(args: argparse.Namespace, key: str) -> bool:
+    """Whether the command line sets `key` (a value the budget leaves as the user gave it)."""
+    return any(o.split("=", 1)[0] == key for o in args.overrides)
+
+
 def _train_limit(args: argparse.Namespace, budget_s: float) -> int:
     from eyas.budget import train_minutes
 
-    if any(o.split("=", 1)[0] == "train.max_minutes" for o in args.overrides):
+    if _overrides(args, "train.max_minutes"):
         return 0  # the user's own limit stands
     recipe = load_recipe_from_args(args)
     path = recipe.paths.budget
