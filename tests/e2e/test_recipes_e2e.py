@@ -3,8 +3,8 @@
 chat template where one can be had offline), the data size, the reply lengths and the step
 count; its own max_length, prompt cap and batch_tokens are kept. prepare
 (server regeneration against a fake OpenAI-compatible server backed by the tiny model,
-for the recipes that use the server backend) -> capture or online features -> 3 training
-steps -> export -> export --check -> eval on 2 prompts.
+for the recipes that use the server backend) -> capture or online features -> 2 training
+steps (eval and a checkpoint at the second) -> export -> export --check -> eval on 2 prompts.
 """
 
 import json
@@ -102,10 +102,10 @@ def _tiny_recipe_data(
         # the recipe's own data.max_length and data.regenerate.max_new_tokens; eval's
         # replies cut (a random tiny model never stops, and each eval decodes 3 ways)
         "data.aux_layer_ids=null",
-        "train.max_steps=3",
+        "train.max_steps=2",
         "train.warmup_steps=1",
-        "train.eval_every=3",
-        "train.save_every=3",
+        "train.eval_every=2",
+        "train.save_every=2",
         "eval.max_prompts=2",
         "eval.max_new_tokens=8",
         *extra,
