@@ -6,7 +6,7 @@ AVX512-BF16 and no AMX can multiply a batch in bf16 at half its float32 rate. So
 CPU `auto` times the model's own matrix multiplies (one MLP projection and the LM head,
 at the row count the stage works with) in both dtypes and takes the faster one. The
 verdict is cached per machine, torch version, thread count and shape in
-`~/.cache/eyas/precision.json` (`EYAS_CACHE_DIR` moves it; delete the file to measure
+`~/.cache/eyas/precision.json` (`EYAS_CACHE_DIR` moves it, `core/cache_dir.py`; delete the file to measure
 again) and logged with the figures it rests on. CUDA GPUs with bf16 support and Apple
 GPUs get bf16 without measuring.
 """
@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+
+from eyas.core.cache_dir import eyas_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +75,6 @@ def shapes_of_config(config, rows: int, vocab: int | None = None) -> MatmulShape
         getattr(text, "intermediate_size", None) or getattr(text, "moe_intermediate_size", None) or 4 * hidden
     )
     return MatmulShapes(hidden, inter, int(vocab or text.vocab_size), rows)
-
-
-def cache_dir() -> Path:
-    if os.environ.get("EYAS_CACHE_DIR"):
-        return Path(os.environ["EYAS_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eyas"
 
 
 def cpu_name() -> str:
@@ -142,15 +138,15 @@ def fastest_seconds(work: Callable[[], object], seconds: float, give_up_above: f
 
 
 def read_verdicts(name: str) -> dict:
-    """The cached timing verdicts of `cache_dir() / name` ({} when none or unreadable)."""
+    """The cached timing verdicts of `eyas_cache_dir() / name` ({} when none or unreadable)."""
     try:
-        return json.loads((cache_dir() / name).read_text())
+        return json.loads((eyas_cache_dir() / name).read_text())
     except (OSError, ValueError):
         return {}  # none yet, or unreadable: measure again and rewrite it
 
 
 def write_verdicts(name: str, verdicts: dict) -> None:
-    path = cache_dir() / name
+    path = eyas_cache_dir() / name
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{name}.{os.getpid()}")
@@ -212,7 +208,7 @@ def cpu_bf16_is_faster(shapes: MatmulShapes | None = None) -> bool:
         bf16 * 1e3,
         fp32 * 1e3,
         asdict(timed.timed()),
-        cache_dir() / CACHE_NAME,
+        eyas_cache_dir() / CACHE_NAME,
     )
     return faster == "bfloat16"
 

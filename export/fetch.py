@@ -70,8 +70,9 @@ def fetch_verifier_facts(name_or_path: str):
     """(TargetFacts, None) for the verifier a head names, read from a local directory, the
     Hugging Face cache or the Hub (its config.json alone); (None, why) when it cannot be
     read, so `eyas export --check` can say the check was not made instead of passing."""
+    from eyas.core.cache_dir import eyas_cache_dir
     from eyas.export.head_dir import cached_target_facts, target_facts
-    from eyas.target.load import SMOLLM2_HUB_ID, eyas_cache_dir
+    from eyas.target.load import SMOLLM2_HUB_ID
 
     facts = cached_target_facts(name_or_path)
     if facts is None and name_or_path == SMOLLM2_HUB_ID:  # the shipped copy, once converted

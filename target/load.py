@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from eyas.core.assets import packaged_file
+from eyas.core.cache_dir import eyas_cache_dir
 from eyas.core.decode_attention import choose_gqa_sdpa_on_cpu
 from eyas.core.precision import resolve_dtype, shapes_of_config
 from eyas.target.quantized import check_still_quantized, kernel_fetch_error, quantization_kwargs
@@ -33,11 +34,6 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 class TargetLoadError(RuntimeError):
     """The target could not be found or loaded; the message says what to install or fix."""
-
-
-def eyas_cache_dir() -> Path:
-    """Where eyas keeps converted models: $EYAS_CACHE, else ~/.cache/eyas."""
-    return Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas"))
 
 
 def resolve_device(device: str = "auto") -> torch.device:

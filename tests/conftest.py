@@ -8,12 +8,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# `dtype: auto` caches its bf16/float32 verdict per machine: the tests' verdicts stay out of
-# the user's ~/.cache (each session measures once per shape, well under a second).
+# The tests keep eyas's per-machine files in a cache of their own (tests/ under the user's):
+# the timing verdicts their tiny shapes leave stay out of the user's, while the SmolLM2
+# conversion and the tokenizers built from ranks are made once per machine, not per session.
 if "EYAS_CACHE_DIR" not in os.environ:
-    import tempfile
+    from eyas.core.cache_dir import eyas_cache_dir
 
-    os.environ["EYAS_CACHE_DIR"] = tempfile.mkdtemp(prefix="eyas-test-cache-")
+    os.environ["EYAS_CACHE_DIR"] = str(eyas_cache_dir() / "tests")
 
 # tests/ has no __init__.py: pytest puts this folder on sys.path, so what the tests share is
 # imported as `support.<module>` from any stage folder; a test file's basename stays unique.

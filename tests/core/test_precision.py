@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from eyas.core import precision
+from eyas.core.cache_dir import eyas_cache_dir
 from eyas.recipe import recipe_from_dict
 from eyas.target.load import load_target
 
@@ -42,7 +43,7 @@ def test_auto_takes_the_faster_dtype_and_caches_the_verdict(timed, caplog, bf16,
     said = caplog.text
     assert f"dtype auto: {dtype}" in said
     assert f"bf16 {bf16 * 1e3:.2f} ms" in said and f"float32 {fp32 * 1e3:.2f} ms" in said
-    cached = json.loads((precision.cache_dir() / precision.CACHE_NAME).read_text())
+    cached = json.loads((eyas_cache_dir() / precision.CACHE_NAME).read_text())
     (verdict,) = cached.values()
     assert verdict["faster"] == dtype and verdict["bfloat16_ms"] == bf16 * 1e3
     # the next stage (and the next run) reads the verdict instead of timing again
@@ -59,12 +60,12 @@ def test_the_verdict_is_per_shape(timed):
     per_verdict = len(calls) // 2
     precision.resolve_dtype("auto", "cpu", precision.MatmulShapes(rows=256))
     assert len(calls) == 2 * per_verdict
-    assert len(json.loads((precision.cache_dir() / precision.CACHE_NAME).read_text())) == 2
+    assert len(json.loads((eyas_cache_dir() / precision.CACHE_NAME).read_text())) == 2
 
 
 def test_a_damaged_cache_is_measured_again(timed):
     calls = timed(0.010, 0.005)
-    path = precision.cache_dir() / precision.CACHE_NAME
+    path = eyas_cache_dir() / precision.CACHE_NAME
     path.parent.mkdir(parents=True)
     path.write_text('{"cut off')
     assert precision.resolve_dtype("auto", "cpu") == "float32" and set(calls) == {
@@ -99,7 +100,7 @@ def test_an_emulated_bf16_is_settled_on_a_sixteenth_of_the_rows(monkeypatch, tmp
     spent = precision.measuring_seconds()
     precision.resolve_dtype("auto", "cpu", precision.MatmulShapes(rows=256))
     assert precision.measuring_seconds() == spent  # ...reading the cached verdict is not
-    (verdict,) = json.loads((precision.cache_dir() / precision.CACHE_NAME).read_text()).values()
+    (verdict,) = json.loads((eyas_cache_dir() / precision.CACHE_NAME).read_text()).values()
     assert verdict["shapes"]["rows"] == 16
     # where bf16 is not far slower, the verdict is taken at the full rows
     rows.clear()

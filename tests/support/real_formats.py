@@ -35,7 +35,7 @@ NOT_SPECIAL = {"<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_resp
 
 
 def _cache_root() -> Path:
-    from eyas.target.load import eyas_cache_dir
+    from eyas.core.cache_dir import eyas_cache_dir
 
     return eyas_cache_dir() / "test-tokenizers"
 
