@@ -6,9 +6,9 @@ AVX512-BF16 and no AMX can multiply a batch in bf16 at half its float32 rate. So
 CPU `auto` times the model's own matrix multiplies (one MLP projection and the LM head,
 at the row count the stage works with) in both dtypes and takes the faster one. The
 verdict is cached per machine, torch version, thread count and shape in
-`~/.cache/eyas/precision.json` (`EYAS_CACHE_DIR` moves it, `core/cache_dir.py`; delete the file to measure
-again) and logged with the figures it rests on. CUDA GPUs with bf16 support and Apple
-GPUs get bf16 without measuring.
+`~/.cache/eyas/precision.json` (`EYAS_CACHE_DIR` moves it, `core/cache_dir.py`; delete the
+file to measure again) and logged with the figures it rests on. CUDA GPUs with bf16
+support and Apple GPUs get bf16 without measuring.
 """
 
 from __future__ import annotations
