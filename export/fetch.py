@@ -70,13 +70,12 @@ def fetch_verifier_facts(name_or_path: str):
     """(TargetFacts, None) for the verifier a head names, read from a local directory, the
     Hugging Face cache or the Hub (its config.json alone); (None, why) when it cannot be
     read, so `eyas export --check` can say the check was not made instead of passing."""
-    from eyas.core.cache_dir import eyas_cache_dir
     from eyas.export.head_dir import cached_target_facts, target_facts
-    from eyas.target.load import SMOLLM2_HUB_ID
+    from eyas.target.load import SMOLLM2_HUB_ID, converted_smollm2_dir
 
     facts = cached_target_facts(name_or_path)
     if facts is None and name_or_path == SMOLLM2_HUB_ID:  # the shipped copy, once converted
-        facts = cached_target_facts(str(eyas_cache_dir() / "SmolLM2-135M-Instruct"))
+        facts = cached_target_facts(str(converted_smollm2_dir()))
     if facts is not None:
         return facts, None
     if Path(name_or_path).expanduser().exists() or not looks_like_hub_id(name_or_path):

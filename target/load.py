@@ -97,11 +97,16 @@ def smollm2_gguf_path() -> Path:
         raise TargetLoadError(f"the '{SMOLLM2_ALIAS}' target: {err}") from None
 
 
-def materialize_smollm2(cache_dir: Path | None = None) -> Path:
+def converted_smollm2_dir() -> Path:
+    """Where the shipped SmolLM2 is (or will be) converted: in eyas's cache directory."""
+    return eyas_cache_dir() / "SmolLM2-135M-Instruct"
+
+
+def materialize_smollm2() -> Path:
     """Convert the shipped SmolLM2 GGUF to a bf16 safetensors directory once, and return
     that directory. Written to a temporary name and renamed, so a killed conversion never
     leaves a half directory behind."""
-    out = (cache_dir or eyas_cache_dir()) / "SmolLM2-135M-Instruct"
+    out = converted_smollm2_dir()
     if (out / "config.json").is_file():
         return out
     gguf = smollm2_gguf_path()

@@ -31,11 +31,10 @@ def packaged_config(name_or_path: str) -> Path | None:
 def config_file(name_or_path: str, revision: str | None = None) -> Path:
     """Where a target's config.json is read from: a local directory, else the Hugging Face
     cache, else the published copy shipped with eyas, else the Hub (config.json alone)."""
-    from eyas.core.cache_dir import eyas_cache_dir
-    from eyas.target.load import SMOLLM2_ALIAS, SMOLLM2_HUB_ID
+    from eyas.target.load import SMOLLM2_ALIAS, SMOLLM2_HUB_ID, converted_smollm2_dir
 
     if name_or_path == SMOLLM2_ALIAS:  # its converted copy when there is one, else the published config
-        converted = eyas_cache_dir() / "SmolLM2-135M-Instruct" / "config.json"
+        converted = converted_smollm2_dir() / "config.json"
         return (
             converted if converted.is_file() else CONFIGS_DIR / (SMOLLM2_HUB_ID.replace("/", "--") + ".json")
         )
